@@ -1,0 +1,1 @@
+"""Data preparation, the teacher, and stage one (caching the teacher)."""

@@ -1,0 +1,1 @@
+"""The recommender language model shared by teacher and student."""

@@ -1,0 +1,1 @@
+"""Stage two: distilling a student from a teacher cache; losses and evaluation."""
