@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
+from c2kd.errors import DataError
+
 EXAMPLES_FORMAT = "c2kd-examples"
 EXAMPLES_VERSION = 1
 SPLITS = ("train", "validation", "test")
@@ -28,9 +30,6 @@ NUM_CANDIDATES = 20
 MAX_HISTORY = 10
 MIN_HISTORY = 3
 
-
-class DataError(ValueError):
-    """Bad input data; the message names the file, row and field."""
 
 
 @dataclass(frozen=True)
