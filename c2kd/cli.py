@@ -11,12 +11,216 @@ app.add_typer(cache_app, name="cache")
 # Each section below holds the thin command wrappers of one module; the work lives in the module.
 
 # --- data: prepare ---
+from pathlib import Path  # noqa: E402
+
+from c2kd.cli_util import reporting_errors  # noqa: E402
+
+
+@app.command()
+def prepare(
+    source: str = typer.Argument(..., help="'movielens-100k', a GroupLens folder or ml-100k.zip, a RecBole atomic folder, or a CSV/Parquet file with user,item,timestamp."),
+    out: Path = typer.Option(..., "--out", help="Folder to write (train/validation/test/items Parquet + manifest.json)."),
+    seed: int = typer.Option(0, help="Seed of the candidate sampling."),
+    max_train_per_user: int | None = typer.Option(None, "--max-train-per-user", help="Keep only the K most recent train windows per user."),
+    items: Path | None = typer.Option(None, "--items", help="CSV/Parquet with item,title for a generic interactions file."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing prepared folder."),
+) -> None:
+    """Turn interactions into leave-one-out examples, each with 20 stored candidates."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from c2kd.pipeline.prepare import prepare as run_prepare
+
+    console = Console()
+    with reporting_errors(), console.status("preparing examples"):
+        manifest = run_prepare(source, out, seed=seed, max_train_per_user=max_train_per_user, items=items, overwrite=overwrite)
+    stats = manifest["stats"]
+    table = Table(title=f"{source} → {out}", show_header=False)
+    table.add_column("statistic")
+    table.add_column("value", justify="right")
+    for label, key in [("users", "users"), ("items", "items"), ("interactions", "interactions"), ("dropped users (< 5 interactions)", "dropped_users"), ("duplicate interactions removed", "duplicates_removed"), ("train examples", "train"), ("validation examples", "validation"), ("test examples", "test")]:
+        table.add_row(label, f"{stats[key]:,}")
+    console.print(table)
+    console.print(f"fingerprint {manifest['fingerprint']}", soft_wrap=True)
+
 
 # --- sasrec: train-sasrec ---
+from pathlib import Path  # noqa: E402
+
+from c2kd.cli_util import reporting_errors  # noqa: E402
+from c2kd.errors import C2KDError  # noqa: E402
+
+
+@app.command("train-sasrec")
+def train_sasrec_cmd(
+    data: Path = typer.Option(..., "--data", help="Prepared examples folder (from `c2kd prepare`)."),
+    out: Path = typer.Option(..., "--out", help="Run folder to create."),
+    seed: int = typer.Option(0, help="Seed for initialisation, dropout and batch order."),
+    epochs: int = typer.Option(200, help="Maximum number of epochs (early stopping on validation)."),
+    batch_size: int = typer.Option(128, "--batch-size", help="Train examples per step."),
+    lr: float = typer.Option(1e-3, "--lr", help="AdamW learning rate."),
+    patience: int = typer.Option(20, help="Stop after this many epochs without a better validation NDCG@10."),
+    all_positions: bool = typer.Option(
+        True, "--all-positions/--last-position", help="Supervise every history position, or only the target."
+    ),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing run folder."),
+) -> None:
+    """Train the SASRec baseline; it also provides the item embeddings used in LM prompts."""
+    from c2kd.pipeline.sasrec import SASRecTrainConfig, train_sasrec
+
+    with reporting_errors():
+        config = SASRecTrainConfig(
+            seed=seed, epochs=epochs, batch_size=batch_size, lr=lr, patience=patience, all_positions=all_positions
+        )
+        metrics = train_sasrec(data, out, config, overwrite=overwrite, progress=True)
+    typer.echo(
+        f"selected epoch {metrics['selected_epoch']} of {metrics['epochs_run']} "
+        f"({metrics['train_seconds']:.1f} s); run folder: {out}"
+    )
+    _print_metrics({"validation": metrics["validation"], "test": metrics["test"]})
+
 
 # --- evaluate ---
 
+
+@app.command("evaluate")
+def evaluate_cmd(
+    model: Path = typer.Option(..., "--model", help="Run folder of a trained model (SASRec or recommender LM)."),
+    data: Path = typer.Option(..., "--data", help="Prepared examples folder the model was trained on."),
+    split: str = typer.Option("test", help="Split to evaluate: train, validation or test."),
+    out: Path | None = typer.Option(None, "--out", help="Also write the metrics to this JSON file."),
+) -> None:
+    """Evaluate a trained model on one split: ranking of the 20 candidates (and more per model)."""
+    with reporting_errors():
+        from c2kd.pipeline.sasrec import read_run_config
+
+        kind = read_run_config(model)["kind"]
+        if kind == "sasrec":
+            from c2kd.pipeline.sasrec import evaluate_sasrec
+
+            result = evaluate_sasrec(model, data, split)
+        elif kind == "reclm":
+            result = _evaluate_reclm(model, data, split)
+        else:
+            raise C2KDError(f"{model}/config.json: unknown model kind {kind!r}; expected 'sasrec' or 'reclm'")
+        if out is not None:
+            _write_json_atomic(out, result)
+    _print_metrics({split: result})
+    if out is not None:
+        typer.echo(f"metrics written to {out}")
+
+
+def _evaluate_reclm(model: Path, data: Path, split: str) -> dict:
+    # Recommender-LM runs are evaluated by the student package (ranking + generation protocol).
+    from c2kd.student.evaluate import evaluate_reclm
+
+    return evaluate_reclm(model, data, split)
+
+
+def _write_json_atomic(path: Path, obj: dict) -> None:
+    import json
+    import os
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def _print_metrics(results: dict[str, dict]) -> None:
+    """One table: a row per metric (grouped, e.g. candidates / full_catalog), a column per split."""
+    from rich.console import Console
+    from rich.table import Table
+
+    names = list(results)
+    table = Table(title="metrics")
+    table.add_column("group")
+    table.add_column("metric")
+    for name in names:
+        table.add_column(f"{name} (n={results[name].get('examples', '?')})", justify="right")
+    groups = [g for g, v in results[names[0]].items() if isinstance(v, dict)]
+    for group in groups:
+        for metric in results[names[0]][group]:
+            values = [results[n].get(group, {}).get(metric) for n in names]
+            table.add_row(group, metric, *(f"{v:.4f}" if isinstance(v, (int, float)) else "-" for v in values))
+    Console().print(table)
+
+
 # --- recommender LM: train-teacher ---
+from pathlib import Path  # noqa: E402
+from typing import Optional  # noqa: E402
+
+from c2kd.cli_util import reporting_errors  # noqa: E402
+from c2kd.errors import C2KDError  # noqa: E402
+
+
+def _eval_every(value: str) -> int | str:
+    if value == "epoch":
+        return value
+    try:
+        steps = int(value)
+    except ValueError:
+        raise C2KDError(f"--eval-every {value!r}: expected 'epoch' or a number of optimizer steps") from None
+    if steps < 1:
+        raise C2KDError(f"--eval-every must be >= 1, got {steps}")
+    return steps
+
+
+@app.command("train-teacher")
+def train_teacher_cmd(
+    data: Path = typer.Option(..., "--data", help="Prepared examples folder (from `c2kd prepare`)."),
+    sasrec: Path = typer.Option(..., "--sasrec", help="SASRec run folder (its item embeddings go into the prompts)."),
+    out: Path = typer.Option(..., "--out", help="Model folder to create (work in progress lives in OUT.partial/)."),
+    fmt: str = typer.Option("ids", "--format", help="Prompt format: ids (one token per item) or llara (titles + slots)."),
+    model: str = typer.Option("tiny-teacher", "--model", help="A preset (tiny-teacher, tiny-student, micro), a Hugging Face folder, a .gguf file or a saved model folder."),
+    lora_r: Optional[int] = typer.Option(None, "--lora-r", help="Train LoRA adapters of this rank (plus item-token embeddings and projector) instead of all weights."),
+    lora_alpha: Optional[float] = typer.Option(None, "--lora-alpha", help="LoRA alpha (default 2 x rank)."),
+    lora_dropout: float = typer.Option(0.05, "--lora-dropout", help="Dropout on the LoRA inputs."),
+    epochs: int = typer.Option(3, help="Epochs over the train split."),
+    max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Optimizer steps to run (overrides --epochs)."),
+    batch_size: int = typer.Option(32, "--batch-size", help="Examples per micro-batch (over all processes)."),
+    grad_accum: int = typer.Option(1, "--grad-accum", help="Micro-batches per optimizer step."),
+    lr: float = typer.Option(1e-3, "--lr", help="Peak AdamW learning rate (linear warmup, cosine decay)."),
+    weight_decay: float = typer.Option(1e-5, "--weight-decay", help="AdamW weight decay (matrices only)."),
+    warmup_ratio: float = typer.Option(0.05, "--warmup-ratio", help="Share of the steps spent warming up."),
+    max_grad_norm: float = typer.Option(1.0, "--max-grad-norm", help="Gradient clipping norm (0 = off)."),
+    checkpoint_every: int = typer.Option(200, "--checkpoint-every", help="Optimizer steps between checkpoints."),
+    eval_every: str = typer.Option("epoch", "--eval-every", help="'epoch' or a number of optimizer steps between validations."),
+    max_train: Optional[int] = typer.Option(None, "--max-train", help="Train on a fixed random subset of this many examples."),
+    max_val: Optional[int] = typer.Option(None, "--max-val", help="Select the best state on the first N validation examples."),
+    seed: int = typer.Option(0, help="Seed of the initialisation, dropout and data order."),
+    bf16: bool = typer.Option(False, "--bf16", help="bfloat16 autocast (CPU and bf16-capable GPUs)."),
+    keep_checkpoints: bool = typer.Option(False, "--keep-checkpoints", help="Keep OUT.partial/ (checkpoints) after finishing."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing model folder."),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar."),
+) -> None:
+    """Fine-tune a recommender LM on the answer tokens (the teacher, or a student alone = SFT).
+
+    Rerun the same command after an interruption to resume from the last checkpoint. Launch with
+    `torchrun --nproc_per_node N -m c2kd.cli train-teacher ...` for data-parallel training."""
+    from c2kd.pipeline.teacher import LoraSettings, TeacherRecipe, train_teacher
+    from c2kd.training import is_main_process
+
+    with reporting_errors():
+        recipe = TeacherRecipe(
+            fmt=fmt, model=model, max_train=max_train, max_val=max_val,
+            lora=LoraSettings(r=lora_r, alpha=lora_alpha, dropout=lora_dropout) if lora_r else None,
+        )
+        config = dict(
+            epochs=epochs, max_steps=max_steps, batch_size=batch_size, grad_accum=grad_accum, lr=lr,
+            weight_decay=weight_decay, warmup_ratio=warmup_ratio, max_grad_norm=max_grad_norm or None,
+            checkpoint_every=checkpoint_every, eval_every=_eval_every(eval_every), seed=seed, bf16=bf16,
+            progress=progress,
+        )
+        record = train_teacher(data, sasrec, out, recipe, config, overwrite=overwrite, keep_checkpoints=keep_checkpoints)
+    if is_main_process():
+        val = record["validation"]
+        typer.echo(
+            f"{record['model']['base']}: {record['final_step']} steps in {record['timings']['train_s']:.1f} s; "
+            f"best validation {val['select_metric']} {val['best'].get(val['select_metric'], float('nan')):.4f} "
+            f"at step {val['best_step']}; model folder: {out}"
+        )
+
 
 # --- stage one: cache-teacher ---
 

@@ -10,16 +10,22 @@ Layout of a prepared folder (all item ids are internal: 1..num_items, 0 is paddi
 
 `history` is oldest first (3..10 items); `candidates` holds NUM_CANDIDATES items in a
 seeded random order, the target among them, sampled once by `prepare` and never again.
+
+The manifest's `fingerprint` is `content_fingerprint(items, splits)`: a sha256 over the table
+contents (not over the Parquet bytes), so it identifies the examples whatever wrote the files.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import polars as pl
+import pyarrow as pa
 
 from c2kd.errors import DataError
 
@@ -30,7 +36,16 @@ NUM_CANDIDATES = 20
 MAX_HISTORY = 10
 MIN_HISTORY = 3
 
-
+ITEMS_SCHEMA = pa.schema([("item", pa.int32()), ("raw_id", pa.string()), ("title", pa.string())])
+EXAMPLES_SCHEMA = pa.schema(
+    [
+        ("example_id", pa.int64()),
+        ("user", pa.int32()),
+        ("history", pa.list_(pa.int32())),
+        ("target", pa.int32()),
+        ("candidates", pa.list_(pa.int32())),
+    ]
+)
 
 @dataclass(frozen=True)
 class ExampleSet:
@@ -72,18 +87,68 @@ def target_indices(frame: pl.DataFrame) -> np.ndarray:
     return hits.argmax(axis=1)
 
 
-def load_examples(root: str | Path) -> ExampleSet:
-    """Read a folder written by `c2kd prepare`, refusing one that is not complete."""
+def content_fingerprint(items: pl.DataFrame, splits: Mapping[str, pl.DataFrame]) -> str:
+    """sha256 of the examples' content, independent of how the Parquet files were written.
+
+    Serialisation: a version line; then for `items` and each split in SPLITS order a line
+    ``table <name> rows <n>`` and, per column of its schema in order, a line
+    ``column <name> <type>`` followed by the values: integers as little-endian int64, lists as
+    their int64 lengths then their int64 values, strings as their int64 UTF-8 byte lengths then
+    the concatenated UTF-8 bytes. Row order matters (it is part of the data).
+    """
+    digest = hashlib.sha256(b"c2kd-examples-fingerprint v1\n")
+    tables = [("items", items, ITEMS_SCHEMA)] + [(name, splits[name], EXAMPLES_SCHEMA) for name in SPLITS]
+    for name, frame, schema in tables:
+        digest.update(f"table {name} rows {frame.height}\n".encode())
+        for column in schema:
+            kind = f"list<{column.type.value_type}>" if pa.types.is_list(column.type) else str(column.type)
+            digest.update(f"column {column.name} {kind}\n".encode())
+            series = frame[column.name]
+            if series.null_count():
+                raise DataError(f"{name}: column {column.name!r} has missing values")
+            if pa.types.is_list(column.type):
+                values = series.to_arrow()
+                digest.update(np.asarray(values.value_lengths(), dtype="<i8").tobytes())
+                digest.update(np.asarray(values.flatten(), dtype="<i8").tobytes())
+            elif pa.types.is_string(column.type):
+                encoded = [text.encode("utf-8") for text in series.to_list()]
+                digest.update(np.asarray([len(b) for b in encoded], dtype="<i8").tobytes())
+                digest.update(b"".join(encoded))
+            else:
+                digest.update(series.to_numpy().astype("<i8").tobytes())
+    return digest.hexdigest()
+
+
+def load_examples(root: str | Path, verify: bool = False) -> ExampleSet:
+    """Read a folder written by `c2kd prepare`, refusing one that is not complete.
+
+    With `verify`, the tables' content fingerprint is recomputed and must match the manifest.
+    """
     root = Path(root)
     manifest_path = root / "manifest.json"
     if not manifest_path.is_file():
         raise DataError(f"{root}: not a prepared data folder (no manifest.json); run `c2kd prepare` first")
-    manifest = json.loads(manifest_path.read_text())
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except json.JSONDecodeError as error:
+        raise DataError(f"{manifest_path}: not valid JSON ({error})") from None
     if manifest.get("format") != EXAMPLES_FORMAT or manifest.get("version") != EXAMPLES_VERSION:
         raise DataError(
             f"{manifest_path}: format {manifest.get('format')!r} v{manifest.get('version')!r}, "
             f"expected {EXAMPLES_FORMAT!r} v{EXAMPLES_VERSION}"
         )
-    items = pl.read_parquet(root / "items.parquet")
-    splits = {name: pl.read_parquet(root / f"{name}.parquet") for name in SPLITS}
+    items = _read_table(root / "items.parquet", ITEMS_SCHEMA)
+    splits = {name: _read_table(root / f"{name}.parquet", EXAMPLES_SCHEMA) for name in SPLITS}
+    if verify and content_fingerprint(items, splits) != manifest.get("fingerprint"):
+        raise DataError(f"{root}: the tables do not match the manifest's fingerprint (files changed after `c2kd prepare`)")
     return ExampleSet(root=root, manifest=manifest, items=items, splits=splits)
+
+
+def _read_table(path: Path, schema: pa.Schema) -> pl.DataFrame:
+    if not path.is_file():
+        raise DataError(f"{path}: missing from the prepared data folder; run `c2kd prepare` again")
+    frame = pl.read_parquet(path)
+    missing = [name for name in schema.names if name not in frame.columns]
+    if missing:
+        raise DataError(f"{path}: missing column(s) {', '.join(missing)}")
+    return frame

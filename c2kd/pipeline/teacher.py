@@ -1,0 +1,228 @@
+"""The `train-teacher` recipe: supervised fine-tuning of a recommender LM on its answer tokens.
+
+The same recipe trains a student alone (the SFT baseline): the model is just a smaller preset.
+
+    data (prepared examples) + SASRec run (item embeddings) + model (preset | HF folder | GGUF)
+      -> RecLM -> PromptEncoder(train split) -> c2kd.training.train(loss = CE on answer tokens,
+         best state by validation candidate-ranking NDCG@10) -> saved RecLM + train.json
+
+While it runs, everything lives in `<out>.partial/` (the trainer's checkpoints, best state and
+log.jsonl, plus recipe.json); running the same command again resumes there. At the end the best
+weights are saved with `RecLM.save` together with `train.json` and `log.jsonl`, and the folder
+is renamed to `<out>`: a folder at `<out>` is always a whole model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from c2kd.errors import C2KDError
+from c2kd.pipeline.examples import ExampleSet, load_examples
+from c2kd.pipeline.sasrec import check_fingerprint, load_item_embeddings, read_run_config
+from c2kd.recmodel.model import RecLM
+from c2kd.recmodel.presets import PRESETS
+from c2kd.recmodel.prompts import EncodedExample, PromptEncoder, check_format, collate, encode_frame
+from c2kd.recmodel.tokenizer import build_word_tokenizer
+from c2kd.training import TrainConfig, TrainResult, distributed_info, train
+
+TRAIN_KIND = "c2kd-train"
+TRAIN_VERSION = 1
+RECIPE = "train-teacher"
+DEFAULT_SELECT_METRIC = "NDCG@10"  # over the 20 stored validation candidates
+# Projection layers LoRA adapts in Llama-style models (Llama, Qwen2, Mistral, SmolLM2, ...).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    r: int = 8
+    alpha: float | None = None  # default 2 * r
+    dropout: float = 0.05
+
+
+@dataclass(frozen=True)
+class TeacherRecipe:
+    """What to train; `TrainConfig` (minus out_dir) says how."""
+
+    fmt: str = "ids"
+    model: str = "tiny-teacher"  # a preset name, a Hugging Face folder, a .gguf file or a saved RecLM
+    lora: LoraSettings | None = None
+    max_train: int | None = None  # a seeded subset of the train split (CPU runs)
+    max_val: int | None = None  # the first N validation examples for model selection
+    select_metric: str = DEFAULT_SELECT_METRIC
+    eval_batch_size: int = 32
+
+
+def partial_dir(out: str | Path) -> Path:
+    out = Path(out)
+    return out.with_name(out.name + ".partial")
+
+
+def build_model(recipe: TeacherRecipe, examples: ExampleSet, item_embeddings: torch.Tensor, seed: int) -> RecLM:
+    """The RecLM to train: a seeded preset with a word-level tokenizer over this catalog, or a
+    pretrained / saved model with item tokens added; LoRA adapters when asked."""
+    if recipe.model in PRESETS:
+        tokenizer = build_word_tokenizer(examples.titles()[1:], examples.num_items)
+        model = RecLM.from_preset(recipe.model, tokenizer, item_embeddings, recipe.fmt, seed=seed,
+                                  data_fingerprint=examples.fingerprint)
+    elif Path(recipe.model).exists():
+        model = RecLM.from_pretrained(recipe.model, item_embeddings, recipe.fmt, data_fingerprint=examples.fingerprint,
+                                      seed=seed)
+        if model.spec.data_fingerprint and model.spec.data_fingerprint != examples.fingerprint:
+            raise C2KDError(f"{recipe.model} was trained on other data (fingerprint {model.spec.data_fingerprint!r}, "
+                            f"{examples.root} has {examples.fingerprint!r})")
+    else:
+        raise C2KDError(f"--model {recipe.model!r}: neither a preset ({', '.join(PRESETS)}) nor an existing path")
+    if recipe.lora is not None:
+        add_lora(model, recipe.lora, seed)
+    return model
+
+
+def add_lora(model: RecLM, lora: LoraSettings, seed: int) -> None:
+    """Wrap `model.lm` with peft LoRA on its projections. The item and slot token embeddings stay
+    trainable (peft trainable tokens, which follows tied output embeddings) and the projector, which
+    lives outside the LM, keeps training in full."""
+    from peft import LoraConfig, get_peft_model
+
+    lm = model.lm
+    names = {name.rsplit(".", 1)[-1] for name, module in lm.named_modules() if isinstance(module, nn.Linear)}
+    targets: Any = [t for t in LORA_TARGETS if t in names] or "all-linear"
+    embedding = lm.get_input_embeddings()
+    embed_name = next(name for name, module in lm.named_modules() if module is embedding).rsplit(".", 1)[-1]
+    new_tokens = sorted({*model.spec.item_token_ids[1:], model.spec.slot_token_id})
+    config = LoraConfig(
+        r=lora.r, lora_alpha=lora.alpha if lora.alpha is not None else 2 * lora.r, lora_dropout=lora.dropout,
+        target_modules=targets, trainable_token_indices={embed_name: new_tokens}, task_type="CAUSAL_LM",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)  # LoRA A matrices: the same on every rank and on resumption
+        model.lm = get_peft_model(lm, config)
+
+
+def train_subset(frame, max_train: int | None):
+    """A fixed (seed-independent) random subset, so runs with different seeds see the same data."""
+    if max_train is None or max_train >= frame.height:
+        return frame
+    keep = np.sort(np.random.default_rng(0).choice(frame.height, size=max_train, replace=False))
+    return frame[keep]
+
+
+def answer_loss(model: nn.Module, batch: dict) -> dict[str, torch.Tensor]:
+    """Cross-entropy on the answer tokens (the labels of `collate`)."""
+    return {"loss": model(**batch).loss}
+
+
+def train_teacher(
+    data: str | Path | ExampleSet,
+    sasrec: str | Path,
+    out: str | Path,
+    recipe: TeacherRecipe,
+    train_config: dict | None = None,
+    overwrite: bool = False,
+    keep_checkpoints: bool = False,
+) -> dict:
+    """Train a recommender LM and save it at `out`; returns the content of `out/train.json`.
+
+    `train_config`: TrainConfig fields (all but out_dir). Re-running after an interruption with
+    the same arguments resumes from the last checkpoint."""
+    wall = time.perf_counter()
+    check_format(recipe.fmt)
+    out, work = Path(out), partial_dir(out)
+    if out.exists() and not overwrite:
+        raise C2KDError(f"{out} already exists; choose another --out or pass --overwrite")
+    examples = data if isinstance(data, ExampleSet) else load_examples(data)
+    check_fingerprint(read_run_config(sasrec), examples, sasrec)
+    item_embeddings = load_item_embeddings(sasrec)
+    config = TrainConfig(out_dir=work, **(train_config or {}))
+    rank = distributed_info()[0]
+
+    # The recipe of an interrupted run must match the one being resumed.
+    recipe_record = {"recipe": RECIPE, **asdict(recipe), "data_fingerprint": examples.fingerprint,
+                     "sasrec": str(Path(sasrec).resolve())}
+    recipe_path = work / "recipe.json"
+    if recipe_path.exists():
+        previous = json.loads(recipe_path.read_text())
+        if previous != recipe_record:
+            changed = sorted(k for k in {*previous, *recipe_record} if previous.get(k) != recipe_record.get(k))
+            raise C2KDError(f"{work} holds an interrupted run with other settings ({', '.join(changed)}); "
+                            f"rerun with those settings to resume, or delete {work}")
+    elif rank == 0:
+        work.mkdir(parents=True, exist_ok=True)
+        _write_json(recipe_path, recipe_record)
+
+    model = build_model(recipe, examples, item_embeddings, seed=config.seed)
+    encoder = PromptEncoder(model.tokenizer, recipe.fmt, examples.titles())
+    train_frame = train_subset(examples.split("train"), recipe.max_train)
+    train_data: list[EncodedExample] = encode_frame(encoder, train_frame)
+    pad_id = encoder.pad_id
+
+    from c2kd.student.evaluate import RecLMEvaluator
+
+    evaluator = RecLMEvaluator(examples, "validation", limit=recipe.max_val, batch_size=recipe.eval_batch_size,
+                               generation=False, full_catalog=False, progress=False)
+    result: TrainResult = train(
+        model, answer_loss, train_data, lambda batch: collate(batch, pad_id), evaluator, recipe.select_metric, config,
+    )
+    record = {
+        "kind": TRAIN_KIND, "version": TRAIN_VERSION, "recipe": RECIPE,
+        "format": recipe.fmt,
+        "model": {"source": recipe.model, "base": model.spec.base, "preset": model.spec.preset,
+                  "layers": model.num_layers, "hidden_size": model.hidden_size,
+                  "non_embedding_parameters": model.non_embedding_parameters(),
+                  "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
+                  "lora": asdict(recipe.lora) if recipe.lora is not None else None},
+        "data": {"dir": str(examples.root), "fingerprint": examples.fingerprint,
+                 "train_examples": len(train_data), "train_split_examples": examples.split("train").height,
+                 "validation_examples": evaluator.frame.height},
+        "sasrec": {"run": str(sasrec), "dim": int(item_embeddings.shape[1])},
+        "train": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items() if k != "out_dir"},
+        "validation": {"select_metric": recipe.select_metric, "best_step": result.best_step,
+                       "best": result.best_metrics},
+        "final_step": result.final_step,
+        "timings": {"train_s": round(result.total_train_s, 3), "this_run_s": round(time.perf_counter() - wall, 3),
+                    "resumed_from_step": result.resumed_from},
+    }
+    if rank == 0:
+        _finish(model, work, out, record, overwrite, keep_checkpoints)
+    return record
+
+
+def _finish(model: RecLM, work: Path, out: Path, record: dict, overwrite: bool, keep_checkpoints: bool) -> None:
+    """Save the (best) model with train.json and log.jsonl, then rename it into place at `out`."""
+    staged = model.save(work / "model")
+    shutil.copyfile(work / "log.jsonl", staged / "log.jsonl")
+    _write_json(staged / "train.json", record)
+    if out.exists() and overwrite:
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.replace(out, old)
+        os.replace(staged, out)
+        shutil.rmtree(old)
+    else:
+        os.replace(staged, out)
+    if keep_checkpoints:
+        return
+    shutil.rmtree(work)
+
+
+def read_train_record(model_dir: str | Path) -> dict:
+    """`train.json` of a model folder written by train-teacher."""
+    path = Path(model_dir) / "train.json"
+    if not path.is_file():
+        raise C2KDError(f"{model_dir}: no train.json (not written by `c2kd train-teacher`)")
+    return json.loads(path.read_text())
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)

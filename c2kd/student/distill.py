@@ -1,0 +1,557 @@
+"""The `distill` recipe (stage two): train a small student from a teacher cache, never the teacher.
+
+    cache (tokenizer, item embeddings, teacher head, hidden states, final states at answers)
+      -> student RecLM (preset with the cache's tokenizer + item embeddings, or a saved RecLM)
+      -> stage 1 (c2kd only): layer filters g_l trained on the cached teacher states
+      -> stage 2: c2kd.training.train(student + C2KD pieces, loss below, best on validation)
+      -> saved student + distill.json + metrics.json + log.jsonl + distill.png
+
+Stage-2 losses per method (DESIGN §3; weights and tau are options with the paper's defaults):
+    sft         L = L_LM
+    logit-kd    L = L_LM + w_logit * tau^2 KL(teacher || student's own head)
+    feature-kd  L = L_LM + w_feat * mean_i L_feat(A_i H_s^i, H_t^{m(i)})    (uniform layer map m)
+    c2kd        L = L_LM + w_feat * L_feat(H_s^n, g_l*(H_t^l*)) + w_logit * L_logit + w_orth * L_orth
+                with l* chosen per example by the router, n = the student's penultimate layer,
+                L_logit = soft CE(teacher logits, W_head,t · feat_mlp(H_s^n)) on answer positions.
+    Ablations: --router fixed:L | soft, --no-orth, --no-cross-head (L_logit then uses the
+    student's own head, with the same soft CE; there is no feat_mlp, so no L_orth either).
+
+Teacher logits come from the cache only: exact mode rebuilds them on the student's device as
+final_hidden @ W_headᵀ (autocast off, float32); top-k caches give a distribution on the cached
+K tokens (the other logits -inf); full caches are read as they are.
+
+The `--data` folder is used for validation (model selection) and the final validation/test
+evaluation, and must be the data the cache was built from (fingerprints are compared before
+training). Training examples come from the cache's train split.
+
+While it runs, everything lives in `<out>.partial/` (stage1/ and stage2/ trainer folders,
+recipe.json); running the same command again resumes there. At the end the student is saved
+with `RecLM.save` and the folder renamed to `<out>`: a folder at `<out>` is always complete.
+Under torchrun every rank trains (DDP through the trainer) and reads only its part of each
+batch from the cache; rank 0 evaluates and writes the results.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from c2kd.cache_schema.batch import CachedBatch
+from c2kd.cache_schema.reader import TeacherCache
+from c2kd.errors import C2KDError
+from c2kd.pipeline.examples import ExampleSet, load_examples
+from c2kd.recmodel.model import RecLM
+from c2kd.recmodel.presets import PRESETS
+from c2kd.student.c2kd_modules import (
+    CrossHead,
+    LayerFilters,
+    parse_router,
+    route,
+    teacher_logits,
+    uniform_layer_map,
+)
+from c2kd.student.losses import cross_head_kd_loss, feature_loss, logit_kd_loss, orth_loss
+from c2kd.training import TrainConfig, TrainResult, distributed_info, read_log, train
+
+DISTILL_KIND = "c2kd-distill"
+DISTILL_VERSION = 1
+METHODS = ("c2kd", "sft", "logit-kd", "feature-kd")
+DEFAULT_SELECT_METRIC = "NDCG@10"  # over the 20 stored validation candidates
+PLOT_FILE = "distill.png"
+
+
+@dataclass(frozen=True)
+class DistillRecipe:
+    """What to distil; `TrainConfig` (minus out_dir) says how stage 2 trains."""
+
+    method: str = "c2kd"
+    student: str = "tiny-student"  # a preset name or a saved RecLM folder
+    router: str = "top1"  # top1 | soft | fixed:L
+    cross_head: bool = True
+    orth: bool = True
+    w_feat: float = 0.5
+    w_logit: float = 0.5
+    w_orth: float = 0.05
+    tau: float = 1.0
+    stage1_epochs: int = 1
+    stage1_lr: float = 1e-3
+    max_train: int | None = None  # a fixed random subset of the cached train split (CPU runs)
+    max_val: int | None = None  # the first N validation examples for model selection
+    select_metric: str = DEFAULT_SELECT_METRIC
+    eval_batch_size: int = 32
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise C2KDError(f"--method {self.method!r}: expected one of {', '.join(METHODS)}")
+        parse_router(self.router)
+        if self.tau <= 0:
+            raise C2KDError(f"--tau must be positive, got {self.tau}")
+        if self.stage1_epochs < 0:
+            raise C2KDError(f"--stage1-epochs must be >= 0, got {self.stage1_epochs}")
+
+    @property
+    def uses_filters(self) -> bool:
+        return self.method == "c2kd"
+
+    @property
+    def uses_orth(self) -> bool:
+        return self.method == "c2kd" and self.cross_head and self.orth
+
+
+# ---------------------------------------------------------------- cached batches
+
+
+class CachedExamples(Sequence):
+    """Example ids of the cache's train split: the trainer indexes it, `collate` reads the cache."""
+
+    def __init__(self, example_ids: np.ndarray):
+        self.example_ids = np.asarray(example_ids, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.example_ids)
+
+    def __getitem__(self, i: int) -> int:  # type: ignore[override]
+        return int(self.example_ids[i])
+
+
+def batch_dict(batch: CachedBatch) -> dict:
+    """A CachedBatch as a plain dict of tensors (what the trainer moves to the device)."""
+    out = {
+        "input_ids": batch.input_ids,
+        "attention_mask": batch.attention_mask,
+        "slot_items": batch.slot_items,
+        "labels": batch.labels,
+        "answer_positions": batch.answer_positions,
+        "answer_mask": batch.answer_mask,
+        "hidden": dict(batch.hidden),
+        "hidden_mask": batch.hidden_mask,
+    }
+    for name in ("final_hidden", "topk_values", "topk_indices", "full_logits"):
+        value = getattr(batch, name)
+        if value is not None:
+            out[name] = value
+    return out
+
+
+def gather_answers(x: Tensor, answer_positions: Tensor, answer_mask: Tensor) -> Tensor:
+    """Rows of a per-token tensor x [B, T, ...] at the real answer positions: [N, ...] (batch-major)."""
+    index = answer_positions.view(*answer_positions.shape, *([1] * (x.ndim - 2))).expand(*answer_positions.shape, *x.shape[2:])
+    return torch.gather(x, 1, index)[answer_mask]
+
+
+def answer_rows(batch: dict, per_row: Tensor, positions: str) -> Tensor:
+    """[N, ...] answer rows of a cached per-row tensor (per token for 'all', per answer for 'answer')."""
+    if positions == "all":
+        return gather_answers(per_row, batch["answer_positions"], batch["answer_mask"])
+    return per_row[batch["answer_mask"]]
+
+
+def answer_targets(batch: dict) -> Tensor:
+    """[N]: the answer token each answer position predicts (labels[p + 1])."""
+    return gather_answers(batch["labels"], batch["answer_positions"] + 1, batch["answer_mask"])
+
+
+def teacher_answer_logits(batch: dict, head_weight: Tensor, policy: str, vocab_size: int) -> Tensor:
+    """[N, V] float32 teacher logits at the answer positions, from what the cache holds."""
+    mask = batch["answer_mask"]
+    with torch.autocast(head_weight.device.type, enabled=False):
+        if policy == "exact":
+            return teacher_logits(batch["final_hidden"][mask], head_weight)
+        if policy == "full":
+            return batch["full_logits"][mask].float()
+        values, indices = batch["topk_values"][mask].float(), batch["topk_indices"][mask]
+        dense = torch.full((values.shape[0], vocab_size), float("-inf"), device=values.device)
+        return dense.scatter(1, indices, values)
+
+
+# ---------------------------------------------------------------- the stage-2 module
+
+
+class DistillModel(nn.Module):
+    """The student plus the pieces each method trains; forward(batch) -> loss terms.
+
+    Frozen: the stage-1 filters and the teacher head (a non-trainable parameter, so the trainer
+    moves it to the device and leaves it out of checkpoints).
+    """
+
+    def __init__(
+        self,
+        student: RecLM,
+        recipe: DistillRecipe,
+        cache_spec,
+        head_weight: Tensor,
+        filters: LayerFilters | None = None,
+        layer_map: dict[int, int] | None = None,
+    ):
+        super().__init__()
+        self.student = student
+        self.recipe = recipe
+        self.positions = cache_spec.positions
+        self.logits_policy = cache_spec.logits_policy.kind
+        self.vocab_size = cache_spec.vocab_size
+        d_t, d_s = cache_spec.hidden_size, student.hidden_size
+        self.student_layer = max(1, student.num_layers - 1)  # penultimate (authors: 15 of 16)
+        self.teacher_head = nn.Parameter(head_weight.detach().float().clone(), requires_grad=False)
+        self.filters = filters
+        if filters is not None:
+            filters.requires_grad_(False)
+        self.cross_head = CrossHead(d_s, d_t) if recipe.method == "c2kd" and recipe.cross_head else None
+        self.layer_map = dict(layer_map or {})
+        self.adapters = (
+            nn.ModuleDict({str(i): nn.Linear(d_s, d_t, bias=False) for i in self.layer_map}) if self.layer_map else None
+        )
+        self.router_layers: tuple[int, ...] = tuple(filters.teacher_layers) if filters is not None else ()
+        self.router_counts: dict[int, int] = {}
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        params = list(self.student.parameters())
+        for extra in (self.cross_head, self.adapters):
+            if extra is not None:
+                params += list(extra.parameters())
+        return [p for p in params if p.is_floating_point()]
+
+    # -- rows the feature losses compare -----------------------------------------------------
+    def _feature_rows(self, h: Tensor, batch: dict) -> Tensor:
+        """Student states on the rows the cache keeps: all tokens [B, T, d] or answers [B, A, d]."""
+        if self.positions == "all":
+            return h
+        index = batch["answer_positions"].unsqueeze(-1).expand(-1, -1, h.shape[-1])
+        return torch.gather(h, 1, index)
+
+    def forward(self, batch: dict) -> dict[str, Tensor]:
+        r = self.recipe
+        needs_hidden = r.method in ("c2kd", "feature-kd")
+        out = self.student(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], slot_items=batch["slot_items"],
+            labels=batch["labels"], output_hidden_states=needs_hidden,
+        )
+        terms: dict[str, Tensor] = {"lm": out.loss}
+        loss = out.loss
+        if r.method == "sft":
+            return {"loss": loss, **terms}
+        mask = batch["hidden_mask"]
+
+        if r.method in ("c2kd", "logit-kd"):
+            z_t = teacher_answer_logits(batch, self.teacher_head, self.logits_policy, self.vocab_size)
+
+        if r.method == "logit-kd":
+            z_s = answer_rows(batch, out.logits, "all")
+            terms["logit"] = logit_kd_loss(z_s, z_t, None, r.tau)
+            loss = loss + r.w_logit * terms["logit"]
+
+        elif r.method == "feature-kd":
+            pair_losses = []
+            for i, t in self.layer_map.items():
+                h_s = self.adapters[str(i)](self._feature_rows(out.hidden_states[i], batch))
+                pair_losses.append(feature_loss(h_s, batch["hidden"][t], mask))
+            terms["feat"] = torch.stack(pair_losses).mean()
+            loss = loss + r.w_feat * terms["feat"]
+
+        else:  # c2kd
+            h_n = out.hidden_states[self.student_layer]
+            rows = self._feature_rows(h_n, batch)
+            with torch.no_grad():
+                projected = self.filters.project({l: batch["hidden"][l] for l in self.router_layers})
+            routing = route(rows, projected, mask, r.router)
+            terms["feat"] = sum(
+                feature_loss(rows, projected[l], mask, example_weight=routing.weights[:, k])
+                for k, l in enumerate(routing.layers)
+            )
+            if self.training:
+                for layer in routing.chosen.tolist():
+                    self.router_counts[layer] = self.router_counts.get(layer, 0) + 1
+            if self.cross_head is not None:
+                z = self.cross_head.logits(answer_rows(batch, h_n, "all"), self.teacher_head)
+                terms["logit"] = cross_head_kd_loss(z, z_t, None, r.tau)
+            else:
+                terms["logit"] = cross_head_kd_loss(answer_rows(batch, out.logits, "all"), z_t, None, r.tau)
+            loss = loss + r.w_feat * terms["feat"] + r.w_logit * terms["logit"]
+            if self.cross_head is not None and r.orth:
+                terms["orth"] = orth_loss(self.cross_head.feat_mlp.weight)
+                loss = loss + r.w_orth * terms["orth"]
+        return {"loss": loss, **terms}
+
+
+def _distill_loss(net: nn.Module, batch: dict) -> dict[str, Tensor]:
+    return net(batch)
+
+
+def _stage1_loss(net: nn.Module, batch: dict) -> dict[str, Tensor]:
+    return {"loss": net(batch["hidden"], batch["targets"])}
+
+
+# ---------------------------------------------------------------- building the pieces
+
+
+def build_student(recipe: DistillRecipe, cache: TeacherCache, seed: int) -> RecLM:
+    """The student: a seeded preset over the cache's tokenizer and item embeddings, or a saved RecLM
+    whose tokenizer, format and catalog match the cache."""
+    spec = cache.spec
+    tokenizer = cache.tokenizer()
+    if recipe.student in PRESETS:
+        return RecLM.from_preset(recipe.student, tokenizer, cache.item_embeddings(), spec.prompt_format, seed=seed,
+                                 data_fingerprint=spec.data_fingerprint)
+    path = Path(recipe.student)
+    if not path.is_dir():
+        raise C2KDError(f"--student {recipe.student!r}: neither a preset ({', '.join(PRESETS)}) nor a saved model folder")
+    student = RecLM.load(path)
+    problems = []
+    if student.tokenizer.get_vocab() != tokenizer.get_vocab():
+        problems.append("its tokenizer differs from the cache's tokenizer (token-level distillation needs the same one)")
+    if student.spec.format != spec.prompt_format:
+        problems.append(f"prompt format {student.spec.format!r} != cache {spec.prompt_format!r}")
+    if student.spec.data_fingerprint and student.spec.data_fingerprint != spec.data_fingerprint:
+        problems.append("it was trained on other data (data fingerprints differ)")
+    if problems:
+        raise C2KDError(f"--student {path}: " + "; ".join(problems))
+    return student
+
+
+def stage1_collate(cache: TeacherCache, layers: Sequence[int]):
+    def collate(example_ids: list[int]) -> dict:
+        batch = batch_dict(cache.get(example_ids, layers=layers, final_hidden=False, logits=False))
+        return {
+            "hidden": {l: answer_rows(batch, batch["hidden"][l], cache.spec.positions) for l in layers},
+            "targets": answer_targets(batch),
+        }
+
+    return collate
+
+
+def stage2_collate(cache: TeacherCache, recipe: DistillRecipe, layers: Sequence[int]):
+    kd = recipe.method in ("c2kd", "logit-kd")
+
+    def collate(example_ids: list[int]) -> dict:
+        return batch_dict(cache.get(example_ids, layers=layers, final_hidden=kd, logits=kd))
+
+    return collate
+
+
+def _train_subset(ids: np.ndarray, max_train: int | None) -> np.ndarray:
+    """A fixed (seed-independent) subset, so runs with different seeds see the same examples."""
+    if max_train is None or max_train >= len(ids):
+        return ids
+    return np.sort(ids[np.random.default_rng(0).choice(len(ids), size=max_train, replace=False)])
+
+
+def _on_epoch_end_router(model: DistillModel):
+    """Trainer hook: the router's layer choices of the epoch, summed over ranks, into the log."""
+
+    def hook(epoch: int, stats: dict) -> dict | None:
+        if not model.router_layers:
+            return None
+        counts = torch.tensor([model.router_counts.get(l, 0) for l in model.router_layers], dtype=torch.float64,
+                              device=model.teacher_head.device)
+        if dist.is_initialized():
+            dist.all_reduce(counts)
+        model.router_counts.clear()
+        return {"router_counts": {str(l): int(c) for l, c in zip(model.router_layers, counts.tolist())}}
+
+    return hook
+
+
+# ---------------------------------------------------------------- the recipe
+
+
+def partial_dir(out: str | Path) -> Path:
+    out = Path(out)
+    return out.with_name(out.name + ".partial")
+
+
+def distill(
+    cache: str | os.PathLike,
+    data: str | Path | ExampleSet,
+    out: str | Path,
+    recipe: DistillRecipe,
+    train_config: dict | None = None,
+    overwrite: bool = False,
+    keep_checkpoints: bool = False,
+) -> dict:
+    """Distil a student from a teacher cache and save it at `out`; returns `out/distill.json`.
+
+    `train_config`: TrainConfig fields for stage 2 (all but out_dir; weight decay defaults to the
+    authors' 1e-5). Re-running after an interruption with the same arguments resumes."""
+    wall = time.perf_counter()
+    out, work = Path(out), partial_dir(out)
+    if out.exists() and not overwrite:
+        raise C2KDError(f"{out} already exists; choose another --out or pass --overwrite")
+    examples = data if isinstance(data, ExampleSet) else load_examples(data)
+
+    # Refusals before anything is trained: cache schema/completeness (the reader), data, layers.
+    teacher_cache = TeacherCache.open(cache, expect={"splits": ["train"], "data_fingerprint": examples.fingerprint})
+    spec = teacher_cache.spec
+    kind, fixed_layer = parse_router(recipe.router)
+    if recipe.uses_filters and kind == "fixed" and fixed_layer not in spec.layers:
+        raise C2KDError(f"--router {recipe.router}: layer {fixed_layer} is not cached (cached: {list(spec.layers)})")
+
+    settings = {"weight_decay": 1e-5, **(train_config or {})}
+    config = TrainConfig(out_dir=work / "stage2", **settings)
+    rank = distributed_info()[0]
+    recipe_record = {"recipe": "distill", **asdict(recipe), "cache": str(cache),
+                     "cache_spec_hash": spec.spec_hash, "data_fingerprint": examples.fingerprint}
+    _check_or_write_recipe(work, recipe_record, rank)
+
+    student = build_student(recipe, teacher_cache, seed=config.seed)
+    layer_map = None
+    if recipe.method == "feature-kd":
+        teacher_layers = spec.teacher_num_layers or int(teacher_cache.teacher_config().get("num_layers", 0))
+        layer_map = uniform_layer_map(student.num_layers, teacher_layers, spec.layers)
+    train_ids = _train_subset(teacher_cache.split_ids("train"), recipe.max_train)
+    train_data = CachedExamples(train_ids)
+
+    # Stage 1 (c2kd): filters on cached teacher states, teacher frozen by construction.
+    filters, stage1_result = None, None
+    if recipe.uses_filters:
+        torch.manual_seed(config.seed)
+        filters = LayerFilters(spec.layers, spec.hidden_size, student.hidden_size, spec.vocab_size)
+        if recipe.stage1_epochs > 0:
+            stage1_config = TrainConfig(
+                out_dir=work / "stage1", lr=recipe.stage1_lr, weight_decay=settings["weight_decay"],
+                epochs=recipe.stage1_epochs, batch_size=config.batch_size, seed=config.seed, device=config.device,
+                checkpoint_every=config.checkpoint_every, log_every=config.log_every, progress=config.progress,
+            )
+            stage1_result = train(filters, _stage1_loss, train_data, stage1_collate(teacher_cache, spec.layers),
+                                  None, None, stage1_config)
+
+    # Stage 2.
+    model = DistillModel(student, recipe, spec, teacher_cache.head_weight(), filters, layer_map)
+    layers = (list(spec.layers) if recipe.uses_filters else sorted(set(layer_map.values())) if layer_map else [])
+
+    from c2kd.student.evaluate import RecLMEvaluator
+
+    evaluator = RecLMEvaluator(examples, "validation", limit=recipe.max_val, batch_size=recipe.eval_batch_size,
+                               generation=False, full_catalog=False, progress=False)
+    result: TrainResult = train(
+        model, _distill_loss, train_data, stage2_collate(teacher_cache, recipe, layers),
+        lambda m: evaluator(m.student), recipe.select_metric, config,
+        trainable_parameters=model.trainable_parameters(), on_epoch_end=_on_epoch_end_router(model),
+    )
+    record = {
+        "kind": DISTILL_KIND, "version": DISTILL_VERSION, "recipe": asdict(recipe),
+        "cache": {"path": str(cache), "layers": list(spec.layers), "positions": spec.positions,
+                  "logits": spec.logits, "dtype": spec.dtype, "teacher": spec.teacher_description,
+                  "teacher_fingerprint": spec.teacher_fingerprint, "spec_hash": spec.spec_hash},
+        "student": {"source": recipe.student, "base": student.spec.base, "layers": student.num_layers,
+                    "hidden_size": student.hidden_size, "distilled_layer": model.student_layer,
+                    "non_embedding_parameters": student.non_embedding_parameters()},
+        "feature_kd_layer_map": {str(k): v for k, v in (layer_map or {}).items()} or None,
+        "data": {"dir": str(examples.root), "fingerprint": examples.fingerprint, "train_examples": len(train_data),
+                 "validation_examples": evaluator.frame.height},
+        "train": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items() if k != "out_dir"},
+        "stage1_steps": stage1_result.final_step if stage1_result else 0,
+        "validation": {"select_metric": recipe.select_metric, "best_step": result.best_step,
+                       "best": result.best_metrics},
+        "final_step": result.final_step,
+        "timings": {"stage1_s": round(stage1_result.total_train_s, 3) if stage1_result else 0.0,
+                    "train_s": round(result.total_train_s, 3), "resumed_from_step": result.resumed_from},
+    }
+    if rank != 0:
+        return record
+    record["metrics"] = final_metrics(model.student, examples, recipe.eval_batch_size)
+    record["timings"]["this_run_s"] = round(time.perf_counter() - wall, 3)
+    _finish(model.student, work, out, record, overwrite, keep_checkpoints)
+    return record
+
+
+def final_metrics(student: RecLM, examples: ExampleSet, batch_size: int) -> dict:
+    """Validation and test metrics of the selected student (the full evaluation protocol)."""
+    from c2kd.student.evaluate import RecLMEvaluator
+
+    return {split: RecLMEvaluator(examples, split, batch_size=batch_size, progress=False).evaluate(student)
+            for split in ("validation", "test")}
+
+
+def _check_or_write_recipe(work: Path, record: dict, rank: int) -> None:
+    """The recipe of an interrupted run must match the one being resumed."""
+    path = work / "recipe.json"
+    if path.exists():
+        previous = json.loads(path.read_text())
+        if previous != json.loads(json.dumps(record)):
+            changed = sorted(k for k in {*previous, *record} if previous.get(k) != record.get(k))
+            raise C2KDError(f"{work} holds an interrupted run with other settings ({', '.join(changed)}); "
+                            f"rerun with those settings to resume, or delete {work}")
+    elif rank == 0:
+        work.mkdir(parents=True, exist_ok=True)
+        _write_json(path, record)
+
+
+def _finish(student: RecLM, work: Path, out: Path, record: dict, overwrite: bool, keep_checkpoints: bool) -> None:
+    """Save the selected student with its records and plot, then rename it into place at `out`."""
+    staged = student.save(work / "model")
+    shutil.copyfile(work / "stage2" / "log.jsonl", staged / "log.jsonl")
+    if (work / "stage1" / "log.jsonl").exists():
+        shutil.copyfile(work / "stage1" / "log.jsonl", staged / "stage1_log.jsonl")
+    _write_json(staged / "distill.json", record)
+    _write_json(staged / "metrics.json", record["metrics"])
+    plot_run(staged, record)
+    if out.exists() and overwrite:
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.replace(out, old)
+        os.replace(staged, out)
+        shutil.rmtree(old)
+    else:
+        os.replace(staged, out)
+    if not keep_checkpoints:
+        shutil.rmtree(work)
+
+
+def plot_run(run_dir: Path, record: dict) -> Path:
+    """distill.png: loss terms per step, router layer choices per epoch, validation metric."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train_lines, epochs, evals = (read_log(run_dir, kind) for kind in ("train", "epoch", "eval"))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    ax = axes[0]
+    for term in ("loss", "lm", "feat", "logit", "orth"):
+        points = [(r["step"], r[term]) for r in train_lines if term in r]
+        if points:
+            ax.plot(*zip(*points), label=term)
+    ax.set(title="training loss terms", xlabel="optimizer step", yscale="log")
+    ax.legend()
+
+    ax = axes[1]
+    counted = [r for r in epochs if "router_counts" in r]
+    if counted:
+        layers = list(counted[0]["router_counts"])
+        bottom = np.zeros(len(counted))
+        for layer in layers:
+            share = np.array([r["router_counts"][layer] / max(1, sum(r["router_counts"].values())) for r in counted])
+            ax.bar([r["epoch"] + 1 for r in counted], share, bottom=bottom, label=f"layer {layer}")
+            bottom += share
+        ax.set(title="router: teacher layer chosen (share of examples)", xlabel="epoch", ylim=(0, 1))
+        ax.legend()
+    else:
+        ax.text(0.5, 0.5, f"no router (method {record['recipe']['method']})", ha="center", va="center")
+        ax.set_axis_off()
+
+    ax = axes[2]
+    metric = record["validation"]["select_metric"]
+    points = [(r["step"], r[metric]) for r in evals if metric in r]
+    if points:
+        ax.plot(*zip(*points), marker="o")
+    ax.set(title=f"validation {metric}", xlabel="optimizer step")
+    fig.suptitle(f"distill {record['recipe']['method']} (router {record['recipe']['router']})")
+    fig.tight_layout()
+    path = run_dir / PLOT_FILE
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)

@@ -1,0 +1,62 @@
+"""Shared fixtures: prepared example folders that many test files read (never write to them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+
+from c2kd.pipeline.prepare import prepare
+
+TINY_USERS = 32  # two of them are too short and get dropped: 30 users remain
+TINY_ITEMS = 60
+
+
+def write_tiny_source(folder: Path) -> tuple[Path, Path]:
+    """A small synthetic generic source: interactions.csv (user,item,timestamp) + items.csv (item,title).
+
+    Users "u00".."u31" with 8..20 interactions each (u05 has 3, u17 has 4: dropped), items with
+    raw ids 100..159, timestamps drawn from a narrow range so ties are frequent, one repeated
+    (user, item) pair, and titles for all items but 150..159.
+    """
+    rng = np.random.default_rng(7)
+    rows = []
+    for u in range(TINY_USERS):
+        n = {5: 3, 17: 4}.get(u, int(rng.integers(8, 21)))
+        items = rng.choice(np.arange(100, 100 + TINY_ITEMS), size=n, replace=False)
+        stamps = np.sort(rng.integers(1_000, 1_030, size=n))
+        rows += [(f"u{u:02d}", int(i), int(t)) for i, t in zip(items, stamps)]
+    user, item, _ = rows[0]
+    rows.append((user, item, 2_000))  # a repeat of an earlier interaction: only the first one counts
+    folder.mkdir(parents=True, exist_ok=True)
+    interactions = folder / "interactions.csv"
+    pl.DataFrame(rows, schema=["user", "item", "timestamp"], orient="row").write_csv(interactions)
+    items_path = folder / "items.csv"
+    titles = [(i, f"Movie {i}, The (19{i % 100:02d})" if i % 3 == 0 else f"Film number {i}") for i in range(100, 150)]
+    pl.DataFrame(titles, schema=["item", "title"], orient="row").write_csv(items_path)
+    return interactions, items_path
+
+
+@pytest.fixture(scope="session")
+def tiny_source(tmp_path_factory) -> tuple[Path, Path]:
+    """(interactions.csv, items.csv) of the tiny synthetic source."""
+    return write_tiny_source(tmp_path_factory.mktemp("tiny_source"))
+
+
+@pytest.fixture(scope="session")
+def tiny_examples_dir(tmp_path_factory, tiny_source) -> Path:
+    """The tiny source prepared with seed 0 and no train cap (30 users, 60 items)."""
+    out = tmp_path_factory.mktemp("tiny_examples") / "examples"
+    interactions, items = tiny_source
+    prepare(interactions, out, seed=0, items=items)
+    return out
+
+
+@pytest.fixture(scope="session")
+def ml100k_dir(tmp_path_factory) -> Path:
+    """MovieLens-100k (from the recbole wheel) prepared with seed 0 and max_train_per_user=5."""
+    out = tmp_path_factory.mktemp("ml100k") / "examples"
+    prepare("movielens-100k", out, seed=0, max_train_per_user=5)
+    return out

@@ -1,0 +1,140 @@
+"""`c2kd train-teacher` end to end on the tiny examples with the `micro` preset (CPU, seconds)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from c2kd.cli import app
+from c2kd.errors import C2KDError
+from c2kd.pipeline import teacher
+from c2kd.pipeline.examples import load_examples
+from c2kd.pipeline.sasrec import SASRecTrainConfig, load_item_embeddings, train_sasrec
+from c2kd.pipeline.teacher import LoraSettings, TeacherRecipe, build_model, partial_dir, train_teacher
+from c2kd.recmodel.model import RecLM
+from c2kd.student.evaluate import RecLMEvaluator
+
+FAST = ["--model", "micro", "--max-train", "40", "--batch-size", "8", "--epochs", "2", "--max-val", "16",
+        "--checkpoint-every", "3", "--lr", "3e-3", "--no-progress"]
+FAST_CONFIG = dict(epochs=2, batch_size=8, lr=3e-3, checkpoint_every=3, log_every=1, progress=False)
+
+
+@pytest.fixture(scope="module")
+def sasrec_run(tiny_examples_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("sasrec") / "run"
+    train_sasrec(tiny_examples_dir, out, SASRecTrainConfig(epochs=1, patience=1))
+    return out
+
+
+def _validation_metric(model_dir: Path, data: Path, limit: int) -> float:
+    evaluator = RecLMEvaluator(load_examples(data), "validation", limit=limit, generation=False, full_catalog=False,
+                               progress=False)
+    return evaluator(RecLM.load(model_dir))["NDCG@10"]
+
+
+def test_cli_trains_saves_and_records_validation(tiny_examples_dir, sasrec_run, tmp_path):
+    out = tmp_path / "teacher"
+    result = CliRunner().invoke(app, ["train-teacher", "--data", str(tiny_examples_dir), "--sasrec", str(sasrec_run),
+                                      "--out", str(out), "--format", "ids", *FAST])
+    assert result.exit_code == 0, result.output
+    assert "best validation NDCG@10" in result.output
+    record = json.loads((out / "train.json").read_text())
+    assert record["final_step"] == 10  # 40 examples / 8 per step x 2 epochs
+    assert record["data"]["train_examples"] == 40 and record["data"]["validation_examples"] == 16
+    assert record["data"]["fingerprint"] == load_examples(tiny_examples_dir).fingerprint
+    assert record["validation"]["best_step"] in (5, 10)  # evaluated after each epoch
+    best = record["validation"]["best"]["NDCG@10"]
+    # the saved model IS the selected state: it reproduces the recorded validation metric
+    assert _validation_metric(out, tiny_examples_dir, 16) == pytest.approx(best, abs=1e-9)
+    model = RecLM.load(out)
+    assert model.spec.format == "ids" and model.spec.preset == "micro"
+    log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log if r["kind"] == "train"][-1] == 10
+    assert all("tokens_per_s" in r for r in log if r["kind"] == "train")
+    assert not partial_dir(out).exists()  # work folder removed once the model is in place
+
+    again = CliRunner().invoke(app, ["train-teacher", "--data", str(tiny_examples_dir), "--sasrec", str(sasrec_run),
+                                     "--out", str(out), *FAST])
+    assert again.exit_code == 1 and "already exists" in again.output
+
+
+def test_lora_trains_adapters_item_tokens_and_projector(tiny_examples_dir, sasrec_run, tmp_path):
+    out = tmp_path / "lora"
+    recipe = TeacherRecipe(fmt="ids", model="micro", lora=LoraSettings(r=4), max_train=40, max_val=16)
+    record = train_teacher(tiny_examples_dir, sasrec_run, out, recipe, FAST_CONFIG)
+    examples = load_examples(tiny_examples_dir)
+    start = build_model(TeacherRecipe(fmt="ids", model="micro"), examples, load_item_embeddings(sasrec_run), seed=0)
+    trained = RecLM.load(out)
+    assert record["model"]["trainable_parameters"] < sum(p.numel() for p in start.parameters())
+    emb0, emb1 = start.lm.get_input_embeddings().weight, trained.lm.get_input_embeddings().weight
+    items = torch.tensor(start.spec.item_token_ids[1:])
+    others = torch.ones(len(emb0), dtype=torch.bool)
+    others[items] = False
+    others[start.spec.slot_token_id] = False
+    assert torch.equal(emb0[others], emb1[others])  # ordinary words frozen
+    assert not torch.allclose(emb0[items], emb1[items])  # item tokens trained
+    q0, q1 = start.lm.model.layers[0].self_attn.q_proj.weight, trained.lm.model.layers[0].self_attn.q_proj.weight
+    assert not torch.allclose(q0, q1)  # LoRA merged into the saved projection
+    assert not torch.allclose(start.projector[0].weight, trained.projector[0].weight)
+    assert _validation_metric(out, tiny_examples_dir, 16) == pytest.approx(record["validation"]["best"]["NDCG@10"], abs=1e-9)
+
+
+def test_interrupted_run_resumes_to_the_same_model(tiny_examples_dir, sasrec_run, tmp_path, monkeypatch):
+    recipe = TeacherRecipe(fmt="ids", model="micro", max_train=40, max_val=16)
+    train_teacher(tiny_examples_dir, sasrec_run, tmp_path / "a", recipe, FAST_CONFIG)
+
+    calls = {"n": 0}
+    real_loss = teacher.answer_loss
+
+    def crashing(model, batch):
+        calls["n"] += 1
+        if calls["n"] == 8:  # step 8; the last checkpoint is step 6
+            raise KeyboardInterrupt
+        return real_loss(model, batch)
+
+    monkeypatch.setattr(teacher, "answer_loss", crashing)
+    with pytest.raises(KeyboardInterrupt):
+        train_teacher(tiny_examples_dir, sasrec_run, tmp_path / "b", recipe, FAST_CONFIG)
+    monkeypatch.setattr(teacher, "answer_loss", real_loss)
+    assert not (tmp_path / "b").exists() and (partial_dir(tmp_path / "b") / "checkpoints" / "step-000006").is_dir()
+
+    with pytest.raises(C2KDError, match="other settings"):
+        train_teacher(tiny_examples_dir, sasrec_run, tmp_path / "b", TeacherRecipe(fmt="ids", model="micro", max_train=30),
+                      FAST_CONFIG)
+    record = train_teacher(tiny_examples_dir, sasrec_run, tmp_path / "b", recipe, FAST_CONFIG)
+    assert record["timings"]["resumed_from_step"] == 6
+    for name in ("model.safetensors", "projector.safetensors"):
+        a, b = load_file(tmp_path / "a" / name), load_file(tmp_path / "b" / name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_llara_format_trains(tiny_examples_dir, sasrec_run, tmp_path):
+    recipe = TeacherRecipe(fmt="llara", model="micro", max_train=16, max_val=8)
+    record = train_teacher(tiny_examples_dir, sasrec_run, tmp_path / "llara", recipe,
+                           dict(FAST_CONFIG, epochs=1))
+    assert record["format"] == "llara" and record["final_step"] == 2
+    assert 0.0 <= record["validation"]["best"]["NDCG@10"] <= 1.0
+    assert RecLM.load(tmp_path / "llara").spec.format == "llara"
+
+
+def test_clear_errors(tiny_examples_dir, sasrec_run, tmp_path):
+    runner = CliRunner()
+    base = ["train-teacher", "--data", str(tiny_examples_dir), "--sasrec", str(sasrec_run), "--out", str(tmp_path / "x")]
+    for extra, message in [
+        (["--model", "no-such-model"], "neither a preset"),
+        (["--model", "micro", "--format", "text"], "unknown prompt format"),
+        (["--model", "micro", "--eval-every", "often"], "--eval-every"),
+    ]:
+        result = runner.invoke(app, base + extra)
+        assert result.exit_code == 1 and message in result.output, result.output
+    other = tmp_path / "other"
+    (other / "config.json").parent.mkdir()
+    (other / "config.json").write_text(json.dumps({"kind": "sasrec", "data_fingerprint": "deadbeef"}))
+    result = runner.invoke(app, ["train-teacher", "--data", str(tiny_examples_dir), "--sasrec", str(other),
+                                 "--out", str(tmp_path / "y"), "--model", "micro"])
+    assert result.exit_code == 1 and "fingerprint" in result.output
