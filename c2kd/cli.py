@@ -18,11 +18,17 @@ from c2kd.cli_util import reporting_errors  # noqa: E402
 
 @app.command()
 def prepare(
-    source: str = typer.Argument(..., help="'movielens-100k', a GroupLens folder or ml-100k.zip, a RecBole atomic folder, or a CSV/Parquet file with user,item,timestamp."),
-    out: Path = typer.Option(..., "--out", help="Folder to write (train/validation/test/items Parquet + manifest.json)."),
+    source: str = typer.Argument(
+        ...,
+        help="'movielens-100k', a GroupLens folder or ml-100k.zip, a RecBole atomic folder, "
+        "or a CSV/Parquet file with columns user,item,timestamp.",
+    ),
+    out: Path = typer.Option(..., "--out", help="Folder to write (train/validation/test/items Parquet + manifest)."),
     seed: int = typer.Option(0, help="Seed of the candidate sampling."),
-    max_train_per_user: int | None = typer.Option(None, "--max-train-per-user", help="Keep only the K most recent train windows per user."),
-    items: Path | None = typer.Option(None, "--items", help="CSV/Parquet with item,title for a generic interactions file."),
+    max_train_per_user: int | None = typer.Option(
+        None, "--max-train-per-user", help="Keep only the K most recent train windows per user."
+    ),
+    items: Path | None = typer.Option(None, "--items", help="CSV/Parquet with item,title for a generic file."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing prepared folder."),
 ) -> None:
     """Turn interactions into leave-one-out examples, each with 20 stored candidates."""
@@ -33,12 +39,24 @@ def prepare(
 
     console = Console()
     with reporting_errors(), console.status("preparing examples"):
-        manifest = run_prepare(source, out, seed=seed, max_train_per_user=max_train_per_user, items=items, overwrite=overwrite)
+        manifest = run_prepare(
+            source, out, seed=seed, max_train_per_user=max_train_per_user, items=items, overwrite=overwrite
+        )
     stats = manifest["stats"]
     table = Table(title=f"{source} → {out}", show_header=False)
     table.add_column("statistic")
     table.add_column("value", justify="right")
-    for label, key in [("users", "users"), ("items", "items"), ("interactions", "interactions"), ("dropped users (< 5 interactions)", "dropped_users"), ("duplicate interactions removed", "duplicates_removed"), ("train examples", "train"), ("validation examples", "validation"), ("test examples", "test")]:
+    rows = [
+        ("users", "users"),
+        ("items", "items"),
+        ("interactions", "interactions"),
+        ("dropped users (< 5 interactions)", "dropped_users"),
+        ("duplicate interactions removed", "duplicates_removed"),
+        ("train examples", "train"),
+        ("validation examples", "validation"),
+        ("test examples", "test"),
+    ]
+    for label, key in rows:
         table.add_row(label, f"{stats[key]:,}")
     console.print(table)
     console.print(f"fingerprint {manifest['fingerprint']}", soft_wrap=True)
@@ -223,10 +241,212 @@ def train_teacher_cmd(
 
 
 # --- stage one: cache-teacher ---
+from pathlib import Path  # noqa: E402
+from typing import Optional  # noqa: E402
+
+from c2kd.cli_util import reporting_errors  # noqa: E402
+from c2kd.errors import C2KDError  # noqa: E402
+
+
+def _int_list(text: str | None, option: str) -> tuple[int, ...] | None:
+    if not text:
+        return None
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise C2KDError(f"{option} {text!r}: expected comma-separated integers, e.g. 24,26,28,30") from None
+
+
+@app.command("cache-teacher")
+def cache_teacher_cmd(
+    teacher: Path = typer.Option(..., "--teacher", help="Trained teacher model folder (from `c2kd train-teacher`)."),
+    data: Path = typer.Option(..., "--data", help="Prepared examples folder the teacher was trained on."),
+    out: Path = typer.Option(..., "--out", help="Cache folder to write (rerun the same command to resume)."),
+    splits: str = typer.Option("train,validation,test", "--splits", help="Comma-separated splits to cache."),
+    layers: Optional[str] = typer.Option(None, "--layers", help="Comma-separated teacher layers (1-indexed); default: the late layers L-s..L-4s, s = max(1, L // 16)."),
+    positions: str = typer.Option("all", "--positions", help="Hidden states at all tokens (all) or at answer positions only (answer)."),
+    logits: str = typer.Option("exact", "--logits", help="exact (recomputed from final hidden states + stored head), topk:K, or full."),
+    dtype: str = typer.Option("bfloat16", "--dtype", help="Stored float dtype: bfloat16, float16 or float32."),
+    compression: str = typer.Option("zstd", "--compression", help="zstd, zstd:LEVEL or none."),
+    max_tokens_per_batch: int = typer.Option(8192, "--max-tokens-per-batch", help="Padded tokens per teacher forward (length-bucketed batches)."),
+    examples_per_shard: int = typer.Option(256, "--examples-per-shard", help="Examples per shard (the unit of writing, resuming and reading)."),
+    device: str = typer.Option("auto", "--device", help="auto (cuda:LOCAL_RANK if available, else cpu), cpu, cuda, cuda:1, ..."),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar."),
+) -> None:
+    """Stage one: run the teacher once and write the teacher cache (sharded Zarr + Parquet index).
+
+    Launch with `torchrun --nproc-per-node N -m c2kd.cli cache-teacher ...` to cache with N
+    processes (each writes its own shards; rank 0 seals the manifest)."""
+    from c2kd.pipeline.cache_teacher import CacheTeacherSettings, cache_teacher
+
+    with reporting_errors():
+        settings = CacheTeacherSettings(
+            splits=tuple(s.strip() for s in splits.split(",") if s.strip()), layers=_int_list(layers, "--layers"),
+            positions=positions, logits=logits, dtype=dtype, compression=compression,
+            max_tokens_per_batch=max_tokens_per_batch, examples_per_shard=examples_per_shard, device=device,
+            progress=progress,
+        )
+        summary = cache_teacher(teacher, data, out, settings)
+    if summary["rank"] != 0:
+        return
+    if summary["already_complete"]:
+        typer.echo(f"{out} is already a complete cache of this teacher and data; nothing to do")
+        return
+    rate = summary["examples"] / summary["loop_seconds"] if summary.get("loop_seconds") else 0.0
+    typer.echo(
+        f"cached {summary['examples']:,} examples ({summary['shards_written']} shards written, "
+        f"{summary['shards_skipped']} already done) in {summary['seconds']:.1f} s ({rate:,.1f} examples/s on rank 0); "
+        f"layers {summary['layers']}; cache: {out}"
+    )
 
 # --- cache: info / verify ---
+from c2kd.cli_util import reporting_errors  # noqa: E402
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+@cache_app.command("info")
+def cache_info_cmd(
+    cache: str = typer.Argument(..., help="Cache folder or URL (file://, https://, s3://)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON instead of a table."),
+) -> None:
+    """Summarise a teacher cache: teacher, layers, policies, examples, tokens, size on disk."""
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from c2kd.cache_schema import cache_info
+
+    with reporting_errors():
+        info = cache_info(cache)
+    if as_json:
+        typer.echo(json.dumps(info, indent=2))
+        return
+    table = Table(title=f"teacher cache {info['path']}", show_header=False)
+    table.add_column("field")
+    table.add_column("value")
+    status = "complete" if info["complete"] else f"INCOMPLETE ({info.get('shards_written', '?')} shards written so far)"
+    splits = ", ".join(f"{k} {v:,}" for k, v in info["splits"].items()) or "-"
+    rows = [
+        ("status", status),
+        ("schema version", str(info["schema_version"])),
+        ("created by", f"{info['created_by']} at {info['created_at']}"),
+        ("teacher", f"{info['teacher']} ({info['teacher_layers']} layers, width {info['hidden_size']}, vocab {info['vocab_size']:,})"),
+        ("prompt format", str(info["prompt_format"])),
+        ("layers", ", ".join(map(str, info["layers"] or []))),
+        ("dtype", f"{info['dtype']} (stored as {info['storage_dtype']})"),
+        ("positions", str(info["positions"])),
+        ("logits", str(info["logits"])),
+        ("compression", str(info["compression"])),
+        ("shards", f"{info['shards']:,} ({info['examples_per_shard']} examples each)"),
+        ("examples", f"{info['examples']:,} ({splits})"),
+        ("tokens", f"{info['tokens']:,} ({info['answer_tokens']:,} answer positions)"),
+        ("size on disk", f"{_human_bytes(info['bytes']['total'])} (shards {_human_bytes(info['bytes']['shards'])}, assets {_human_bytes(info['bytes']['assets'])}, index {_human_bytes(info['bytes']['index'])})"),
+        ("bytes / token", f"{info['bytes_per_token']:,.1f}" if info["bytes_per_token"] else "-"),
+        ("bytes / answer position", f"{info['bytes_per_answer_token']:,.1f}" if info["bytes_per_answer_token"] else "-"),
+        ("teacher fingerprint", str(info["teacher_fingerprint"])),
+        ("tokenizer fingerprint", str(info["tokenizer_fingerprint"])),
+        ("data fingerprint", str(info["data_fingerprint"])),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    Console().print(table)
+
+
+@cache_app.command("verify")
+def cache_verify_cmd(
+    cache: str = typer.Argument(..., help="Cache folder or URL (file://, https://, s3://)."),
+) -> None:
+    """Check schema, completeness, index consistency and every checksum (exit 1 naming bad shards)."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from c2kd.cache_schema import verify_cache
+
+    with reporting_errors(), Progress(transient=True) as progress:
+        task = progress.add_task("verifying shards", total=None)
+        report = verify_cache(cache, progress=lambda done, total: progress.update(task, completed=done, total=total))
+    console = Console()
+    if report.ok:
+        console.print(f"[green]ok[/green]: {report.shards_checked} shards, {_human_bytes(report.bytes_checked)} checked — {report.path}")
+        return
+    err = Console(stderr=True)
+    for problem in report.problems:
+        err.print(f"bad: {problem}", style="red", soft_wrap=True, markup=False)
+    if report.bad_shards:
+        err.print(f"bad shard(s): {', '.join(report.bad_shards)}", style="bold red", markup=False)
+    raise typer.Exit(code=1)
 
 # --- stage two: distill ---
+
+
+@app.command("distill")
+def distill_cmd(
+    cache: str = typer.Option(..., "--cache", help="Teacher cache (a folder or an https:// / s3:// URL); the only teacher input."),
+    student: str = typer.Option("tiny-student", "--student", help="A preset (tiny-student, micro, ...) built with the cache's tokenizer, or a saved model folder."),
+    out: Path = typer.Option(..., "--out", help="Student model folder to create (work in progress lives in OUT.partial/)."),
+    data: Path = typer.Option(..., "--data", help="Prepared examples folder the cache was built from (validation and test)."),
+    method: str = typer.Option("c2kd", "--method", help="c2kd | sft | logit-kd | feature-kd."),
+    router: str = typer.Option("top1", "--router", help="C2KD router: top1 (paper), soft, or fixed:L (no router, teacher layer L)."),
+    cross_head: bool = typer.Option(True, "--cross-head/--no-cross-head", help="Score student features with the teacher's head (off: the student's own head)."),
+    orth: bool = typer.Option(True, "--orth/--no-orth", help="Orthogonality loss on the cross-head projection."),
+    w_feat: float = typer.Option(0.5, "--w-feat", help="Weight of the feature loss."),
+    w_logit: float = typer.Option(0.5, "--w-logit", help="Weight of the logit loss."),
+    w_orth: float = typer.Option(0.05, "--w-orth", help="Weight of the orthogonality loss."),
+    tau: float = typer.Option(1.0, "--tau", help="Softmax temperature of the logit losses."),
+    stage1_epochs: int = typer.Option(1, "--stage1-epochs", help="Epochs of stage 1 (layer filters on cached teacher states; c2kd only)."),
+    stage1_lr: float = typer.Option(1e-3, "--stage1-lr", help="Learning rate of stage 1."),
+    epochs: int = typer.Option(3, help="Epochs of stage 2 over the cached train split."),
+    max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Stage-2 optimizer steps (overrides --epochs)."),
+    batch_size: int = typer.Option(32, "--batch-size", help="Examples per micro-batch (over all processes)."),
+    grad_accum: int = typer.Option(1, "--grad-accum", help="Micro-batches per optimizer step."),
+    lr: float = typer.Option(1e-3, "--lr", help="Peak AdamW learning rate (linear warmup, cosine decay)."),
+    weight_decay: float = typer.Option(1e-5, "--weight-decay", help="AdamW weight decay (matrices only; the authors' 1e-5)."),
+    warmup_ratio: float = typer.Option(0.05, "--warmup-ratio", help="Share of the steps spent warming up."),
+    checkpoint_every: int = typer.Option(200, "--checkpoint-every", help="Optimizer steps between checkpoints."),
+    eval_every: str = typer.Option("epoch", "--eval-every", help="'epoch' or a number of optimizer steps between validations."),
+    max_train: Optional[int] = typer.Option(None, "--max-train", help="Train on a fixed random subset of this many cached examples."),
+    max_val: Optional[int] = typer.Option(None, "--max-val", help="Select the best state on the first N validation examples."),
+    select_metric: str = typer.Option("NDCG@10", "--select-metric", help="Validation metric that picks the best state."),
+    seed: int = typer.Option(0, help="Seed of the initialisation, dropout and data order."),
+    bf16: bool = typer.Option(False, "--bf16", help="bfloat16 autocast (CPU and bf16-capable GPUs)."),
+    keep_checkpoints: bool = typer.Option(False, "--keep-checkpoints", help="Keep OUT.partial/ after finishing."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing model folder."),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="Show progress bars."),
+) -> None:
+    """Distil a student from a teacher cache (no teacher weights are loaded).
+
+    Rerun the same command after an interruption to resume. Launch with
+    `torchrun --nproc_per_node N -m c2kd.cli distill ...` for data-parallel training."""
+    from c2kd.student.distill import DistillRecipe, distill
+    from c2kd.training import is_main_process
+
+    with reporting_errors():
+        recipe = DistillRecipe(
+            method=method, student=student, router=router, cross_head=cross_head, orth=orth, w_feat=w_feat,
+            w_logit=w_logit, w_orth=w_orth, tau=tau, stage1_epochs=stage1_epochs, stage1_lr=stage1_lr,
+            max_train=max_train, max_val=max_val, select_metric=select_metric,
+        )
+        config = dict(
+            epochs=epochs, max_steps=max_steps, batch_size=batch_size, grad_accum=grad_accum, lr=lr,
+            weight_decay=weight_decay, warmup_ratio=warmup_ratio, checkpoint_every=checkpoint_every,
+            eval_every=_eval_every(eval_every), seed=seed, bf16=bf16, progress=progress,
+        )
+        record = distill(cache, data, out, recipe, config, overwrite=overwrite, keep_checkpoints=keep_checkpoints)
+    if is_main_process():
+        test = record["metrics"]["test"]
+        summary = ", ".join(f"{k} {v:.4f}" for k, v in test["candidates"].items() if k in ("HR@1", "NDCG@10", "MRR"))
+        typer.echo(
+            f"{record['recipe']['method']}: {record['final_step']} steps in {record['timings']['train_s']:.1f} s; "
+            f"test {summary}; model folder: {out}"
+        )
 
 # --- demo ---
 

@@ -158,11 +158,13 @@ def generation_metrics(
     HitRatio@1; 0.0 when no answer is valid).
     """
     if not (len(answers) == len(candidate_titles) == len(target_titles)):
-        raise ValueError(f"{len(answers)} answers, {len(candidate_titles)} candidate lists, {len(target_titles)} targets")
+        raise ValueError(
+            f"{len(answers)} answers, {len(candidate_titles)} candidate lists, {len(target_titles)} targets"
+        )
     if not answers:
         raise ValueError("no answers to score")
     valid = correct = 0
-    for answer, titles, target in zip(answers, candidate_titles, target_titles):
+    for answer, titles, target in zip(answers, candidate_titles, target_titles, strict=True):
         index = named_candidate(answer, titles)
         if index is not None:
             valid += 1

@@ -17,7 +17,11 @@
   the end; the best state by `select_metric` (higher is better) goes to `out_dir/best/` and is
   loaded into the model at the end.
 - `out_dir/log.jsonl`: one line per logged step ("kind": "train"), evaluation ("eval") and epoch.
+- Under torchrun (WORLD_SIZE > 1): DDP (gloo on CPU, NCCL on CUDA); rank 0 evaluates, writes the
+  checkpoints, the best state and the log; every rank reads the checkpoints from the same `out_dir`.
+  Buffers are not broadcast each step (ours are constants, identical on every rank).
 Frozen parameters are not checkpointed: resuming needs the same starting model, which is checked.
+Bitwise resume holds on CPU; on GPUs non-deterministic kernels may make runs differ slightly.
 """
 
 from __future__ import annotations
@@ -29,8 +33,9 @@ import random
 import re
 import shutil
 import time
+import warnings
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -67,6 +72,17 @@ class TrainConfig:
     device: str = "auto"  # "auto" = cuda:LOCAL_RANK when available, else cpu
     find_unused_parameters: bool = False  # DDP option for models whose steps skip some parameters
     progress: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "grad_accum", "epochs", "log_every", "keep_last"):
+            if getattr(self, name) < 1:
+                raise C2KDError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise C2KDError(f"max_steps must be >= 1, got {self.max_steps}")
+        if not 0.0 <= self.warmup_ratio < 1.0 or self.lr <= 0:
+            raise C2KDError(f"need lr > 0 and 0 <= warmup_ratio < 1 (got {self.lr}, {self.warmup_ratio})")
+        if self.eval_every != "epoch" and not (isinstance(self.eval_every, int) and self.eval_every >= 1):
+            raise C2KDError(f"eval_every must be 'epoch' or a number of steps >= 1, got {self.eval_every!r}")
 
 
 @dataclass
@@ -148,15 +164,21 @@ def _to_device(batch: Any, device: torch.device) -> Any:
 
 
 def _batch_size_and_tokens(batch: Any) -> tuple[int, int]:
-    """Examples in a batch, and real tokens when it carries an attention mask (else 0)."""
-    if isinstance(batch, dict):
-        if "attention_mask" in batch:
-            mask = batch["attention_mask"]
-            return int(mask.shape[0]), int(mask.sum())
-        batch = next(iter(batch.values()))
-    if isinstance(batch, (list, tuple)):
-        batch = batch[0]
-    return (int(batch.shape[0]) if isinstance(batch, torch.Tensor) else len(batch)), 0
+    """Examples in a batch (rows of its first tensor), and real tokens when it carries an
+    `attention_mask` (else 0)."""
+    if isinstance(batch, dict) and isinstance(batch.get("attention_mask"), torch.Tensor):
+        mask = batch["attention_mask"]
+        return int(mask.shape[0]), int(mask.sum())
+    stack = [batch]
+    while stack:
+        item = stack.pop(0)
+        if isinstance(item, torch.Tensor):
+            return (int(item.shape[0]) if item.ndim else 1), 0
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return 0, 0
 
 
 # ---------------------------------------------------------------- state on disk
@@ -247,12 +269,16 @@ def train(
     config: TrainConfig,
     trainable_parameters: list[nn.Parameter] | None = None,
     on_epoch_end: Callable[[int, dict], dict | None] | None = None,
+    batch_order: Callable[[int], Sequence[Sequence[int]]] | None = None,
 ) -> TrainResult:
     """Train `model` in place (ending with its best validation weights) and return where things went.
 
     `trainable_parameters`: the parameters to optimise (default: those with requires_grad); all the
     others are frozen. `on_epoch_end(epoch, stats)` runs on every rank after each epoch (and after a
-    last partial one); a dict it returns is added to the epoch line of the log."""
+    last partial one); a dict it returns is added to the epoch line of the log.
+    `batch_order(epoch)`: the epoch's micro-batches as lists of indices into `train_data` (e.g. a
+    shard-local order); it must be deterministic and give the same number of batches each epoch.
+    Default: `epoch_batches` (a (seed, epoch) permutation cut into `batch_size` pieces)."""
     started = time.perf_counter()
     rank, world, local_rank = distributed_info()
     if config.device == "auto":
@@ -284,7 +310,14 @@ def train(
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": config.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=config.lr)
-    micro_per_epoch = len(epoch_batches(len(train_data), config.batch_size, config.seed, 0, world))
+    def batches_of(ep: int) -> list:
+        if batch_order is None:
+            return epoch_batches(len(train_data), config.batch_size, config.seed, ep, world)
+        return [np.asarray(b) for b in batch_order(ep) if len(b) >= world]
+
+    micro_per_epoch = len(batches_of(0))
+    if micro_per_epoch == 0:
+        raise C2KDError(f"no batch of at least {world} examples (one per process) in an epoch")
     steps_per_epoch = math.ceil(micro_per_epoch / config.grad_accum)
     total = config.max_steps if config.max_steps else config.epochs * steps_per_epoch
     warmup = round(config.warmup_ratio * total)
@@ -332,8 +365,11 @@ def train(
         net = nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None,
             find_unused_parameters=config.find_unused_parameters,
+            broadcast_buffers=False,  # buffers here are constants (item embeddings, teacher heads): no per-step copy
         )
     use_bf16 = config.bf16 and (device.type == "cpu" or torch.cuda.is_bf16_supported())
+    if config.bf16 and not use_bf16:
+        warnings.warn(f"bf16 autocast is not supported on {device}; training in float32")
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16 else nullcontext
 
     def log(record: dict) -> None:
@@ -394,7 +430,7 @@ def train(
     with progress:
         task = progress.add_task("train", total=total, completed=step, info="")
         while step < total:
-            batches = epoch_batches(len(train_data), config.batch_size, config.seed, epoch, world)
+            batches = batches_of(epoch)
             while batch_pos < len(batches) and step < total:
                 group = batches[batch_pos : batch_pos + config.grad_accum]
                 for j, idx in enumerate(group):
@@ -455,8 +491,8 @@ def train(
 
 
 def _accumulate(acc: dict, terms: dict[str, torch.Tensor], n_examples: int, n_tokens: int) -> None:
-    for k, v in terms.items():  # kept as tensors: no device sync per micro-batch
-        acc[k] = acc.get(k, 0.0) + v.detach().float()
+    for k, v in terms.items():  # tensors stay on the device: no sync per micro-batch
+        acc[k] = acc.get(k, 0.0) + (v.detach().float() if isinstance(v, torch.Tensor) else float(v))
     acc["_count"] = acc.get("_count", 0) + 1
     acc["examples"] = acc.get("examples", 0) + n_examples
     acc["tokens"] = acc.get("tokens", 0) + n_tokens

@@ -27,7 +27,7 @@ def write_tiny_source(folder: Path) -> tuple[Path, Path]:
         n = {5: 3, 17: 4}.get(u, int(rng.integers(8, 21)))
         items = rng.choice(np.arange(100, 100 + TINY_ITEMS), size=n, replace=False)
         stamps = np.sort(rng.integers(1_000, 1_030, size=n))
-        rows += [(f"u{u:02d}", int(i), int(t)) for i, t in zip(items, stamps)]
+        rows += [(f"u{u:02d}", int(i), int(t)) for i, t in zip(items, stamps, strict=True)]
     user, item, _ = rows[0]
     rows.append((user, item, 2_000))  # a repeat of an earlier interaction: only the first one counts
     folder.mkdir(parents=True, exist_ok=True)

@@ -140,7 +140,9 @@ def test_generation_metrics_by_hand():
     candidates = [CANDS] * 4
     targets = ["Toy Story", "The Usual Suspects", "Heat", "Heat"]
     # valid: answers 0 and 1; correct: answer 0 only.
-    assert generation_metrics(answers, candidates, targets) == approx({"ValidRatio": 0.5, "HR@1": 0.25, "HR@1_valid": 0.5})
+    assert generation_metrics(answers, candidates, targets) == approx(
+        {"ValidRatio": 0.5, "HR@1": 0.25, "HR@1_valid": 0.5}
+    )
     assert generation_metrics(["none"], [CANDS], ["Heat"]) == {"ValidRatio": 0.0, "HR@1": 0.0, "HR@1_valid": 0.0}
     # target titles are compared in the same normalised form
     assert generation_metrics(["heat"], [CANDS], [" HEAT "])["HR@1"] == 1.0

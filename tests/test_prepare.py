@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import json
 import zipfile
 from pathlib import Path
@@ -59,7 +58,12 @@ def oracle(source, items=None, max_train_per_user=None) -> dict:
         if max_train_per_user is not None:
             train_t = train_t[len(train_t) - max_train_per_user :] if max_train_per_user else []
         expected["train"] += [(u, s[max(0, t - 10) : t], s[t]) for t in train_t]
-    return {"expected": expected, "sequences": [sequences[r] for r in users], "num_items": len(item_id), "dropped": len(per_user) - len(users)}
+    return {
+        "expected": expected,
+        "sequences": [sequences[r] for r in users],
+        "num_items": len(item_id),
+        "dropped": len(per_user) - len(users),
+    }
 
 
 def check_protocol(folder: Path, truth: dict) -> None:
@@ -69,12 +73,14 @@ def check_protocol(folder: Path, truth: dict) -> None:
     next_id = 0
     for split in ("test", "validation", "train"):
         frame = data.split(split)
-        rows = list(zip(frame["user"].to_list(), frame["history"].to_list(), frame["target"].to_list()))
+        rows = list(zip(frame["user"].to_list(), frame["history"].to_list(), frame["target"].to_list(), strict=True))
         # Split boundaries, history windows, time order with ties broken by item: all in one.
         assert rows == truth["expected"][split], split
         assert frame["example_id"].to_list() == list(range(next_id, next_id + frame.height))
         next_id += frame.height
-        for user, history, target, candidates in zip(frame["user"], frame["history"], frame["target"], frame["candidates"]):
+        for user, history, target, candidates in zip(
+            frame["user"], frame["history"], frame["target"], frame["candidates"], strict=True
+        ):
             history, candidates = history.to_list(), candidates.to_list()
             assert 3 <= len(history) <= 10
             assert target not in history
@@ -84,7 +90,9 @@ def check_protocol(folder: Path, truth: dict) -> None:
             interacted = set(truth["sequences"][user])
             assert not (set(candidates) - {target}) & interacted, "a negative the user interacted with"
         idx = target_indices(frame)
-        assert (np.asarray(frame["candidates"].to_list())[np.arange(frame.height), idx] == frame["target"].to_numpy()).all()
+        assert (
+            np.asarray(frame["candidates"].to_list())[np.arange(frame.height), idx] == frame["target"].to_numpy()
+        ).all()
 
 
 # --------------------------------------------------------------------------- protocol
@@ -187,7 +195,9 @@ def test_fingerprint_is_content_not_bytes(tmp_path, tiny_source, tiny_examples_d
     # ... and one changed value changes it; load_examples(verify=True) notices.
     folder = tmp_path / "tampered"
     prepare(tiny_source[0], folder, items=tiny_source[1])
-    changed = data.split("test").with_columns(pl.when(pl.col("example_id") == 3).then(pl.col("user") + 1).otherwise(pl.col("user")).alias("user"))
+    changed = data.split("test").with_columns(
+        pl.when(pl.col("example_id") == 3).then(pl.col("user") + 1).otherwise(pl.col("user")).alias("user")
+    )
     assert content_fingerprint(data.items, {**data.splits, "test": changed}) != data.fingerprint
     changed.write_parquet(folder / "test.parquet")
     with pytest.raises(DataError, match="fingerprint"):
@@ -214,7 +224,9 @@ def test_generic_items_file_titles(tiny_examples_dir):
 def test_parquet_and_iso_timestamps_match_csv(tmp_path, tiny_source, tiny_examples_dir):
     interactions, items = tiny_source
     frame = pl.read_csv(interactions)
-    frame = frame.with_columns(pl.from_epoch("timestamp", time_unit="s").dt.strftime("%Y-%m-%dT%H:%M:%S").alias("timestamp"))
+    frame = frame.with_columns(
+        pl.from_epoch("timestamp", time_unit="s").dt.strftime("%Y-%m-%dT%H:%M:%S").alias("timestamp")
+    )
     frame.write_parquet(tmp_path / "i.parquet")
     pl.read_csv(items).write_parquet(tmp_path / "items.parquet")
     prepare(tmp_path / "i.parquet", tmp_path / "out", items=tmp_path / "items.parquet")
@@ -225,7 +237,13 @@ def test_parquet_and_iso_timestamps_match_csv(tmp_path, tiny_source, tiny_exampl
 
 U_DATA = [(1, 12, 5, 100), (1, 3, 4, 100), (1, 7, 3, 101), (1, 1, 5, 105), (1, 2, 1, 106), (1, 9, 2, 107)]
 U_DATA += [(2, i, 3, 200 + i) for i in (4, 5, 6, 8, 10, 11, 13)]
-U_ITEM_TITLES = {1: "Toy Story (1995)", 3: "Four Rooms (1995)", 5: "Misérables, Les (1995)", 12: "Usual Suspects, The (1995)", 13: "unknown"}
+U_ITEM_TITLES = {
+    1: "Toy Story (1995)",
+    3: "Four Rooms (1995)",
+    5: "Misérables, Les (1995)",
+    12: "Usual Suspects, The (1995)",
+    13: "unknown",
+}
 
 
 def write_grouplens(folder: Path) -> None:
@@ -244,7 +262,12 @@ def test_grouplens_folder_and_zip(tmp_path):
     data = load_examples(tmp_path / "from_folder")
     assert data.manifest["stats"]["users"] == 4 and data.num_items == 45
     titles = data.titles()
-    assert (titles[12], titles[5], titles[1], titles[13]) == ("The Usual Suspects", "Misérables, Les", "Toy Story", "item 13")
+    assert (titles[12], titles[5], titles[1], titles[13]) == (
+        "The Usual Suspects",
+        "Misérables, Les",
+        "Toy Story",
+        "item 13",
+    )
     # user 1 (internal 0): (timestamp, item) order is 3, 12, 7, 1, 2, 9
     test = data.split("test").row(0, named=True)
     assert test["history"] == [3, 12, 7, 1, 2] and test["target"] == 9
@@ -281,17 +304,41 @@ GOOD = "user,item,timestamp\n" + "".join(f"u{u},{i},{i}\n" for u in range(2) for
         ("user,item\nu1,1\n", None, r"i\.csv: missing column 'timestamp'; found 'user', 'item'"),
         ("user,item,timestamp\n", None, r"i\.csv: no interactions"),
         ("", None, r"i\.csv: file is empty"),
-        ("user,item,timestamp\nu1,1,5\nu1,2,6\nu1,3,yesterday\n", None, r"i\.csv: row 3 \(line 4\), field 'timestamp': 'yesterday' is not a timestamp"),
-        ("user,item,timestamp\nu1,1,2024-01-01T00:00:00\nu1,2,soon\n", None, r"i\.csv: row 2 \(line 3\), field 'timestamp': 'soon'"),
+        (
+            "user,item,timestamp\nu1,1,5\nu1,2,6\nu1,3,yesterday\n",
+            None,
+            r"i\.csv: row 3 \(line 4\), field 'timestamp': 'yesterday' is not a timestamp",
+        ),
+        (
+            "user,item,timestamp\nu1,1,2024-01-01T00:00:00\nu1,2,soon\n",
+            None,
+            r"i\.csv: row 2 \(line 3\), field 'timestamp': 'soon'",
+        ),
         ("user,item,timestamp\nu1,1,5\nu1,2,6,7\n", None, r"i\.csv: line 3: 4 fields, expected 3 like line 1"),
         ("user,item,timestamp\nu1,1,5\nu1,,6\n", None, r"i\.csv: row 2 \(line 3\), field 'item': empty id"),
         ("user,item,timestamp\nu1,1,5\nu1,2,\n", None, r"i\.csv: row 2 \(line 3\), field 'timestamp': empty timestamp"),
-        ("user,item,timestamp\n" + "".join(f"u{u},{i},1\n" for u in range(5) for i in range(4)), None, r"i\.csv: no user has at least 5 distinct interactions"),
-        (GOOD, "item,title\n1,A\n2,B\n99,Ghost\n", r"t\.csv: row 3 \(line 4\), field 'item': item '99' does not occur in the interactions"),
-        (GOOD, "item,title\n1,A\n2,B\n1,C\n", r"t\.csv: row 3 \(line 4\), field 'item': item '1' is listed twice \(first at row 1\)"),
+        (
+            "user,item,timestamp\n" + "".join(f"u{u},{i},1\n" for u in range(5) for i in range(4)),
+            None,
+            r"i\.csv: no user has at least 5 distinct interactions",
+        ),
+        (
+            GOOD,
+            "item,title\n1,A\n2,B\n99,Ghost\n",
+            r"t\.csv: row 3 \(line 4\), field 'item': item '99' does not occur in the interactions",
+        ),
+        (
+            GOOD,
+            "item,title\n1,A\n2,B\n1,C\n",
+            r"t\.csv: row 3 \(line 4\), field 'item': item '1' is listed twice \(first at row 1\)",
+        ),
         (GOOD, "item,name\n1,A\n", r"t\.csv: missing column 'title'"),
         (GOOD, b"item,title\n1,Caf\xe9\n", r"t\.csv: line 2, byte offset 16: byte 0xe9 is not valid UTF-8"),
-        ("user,item,timestamp\n" + "".join(f"u1,{i},{i}\n" for i in range(10)), None, r"user 'u1' interacted with 10 of the 10 items"),
+        (
+            "user,item,timestamp\n" + "".join(f"u1,{i},{i}\n" for i in range(10)),
+            None,
+            r"user 'u1' interacted with 10 of the 10 items",
+        ),
     ],
 )
 def test_bad_generic_input(tmp_path, interactions, items, expected):
@@ -335,7 +382,11 @@ def test_output_folder_rules(tmp_path, tiny_source, monkeypatch):
     with pytest.raises(C2KDError, match="already exists; pass --overwrite"):
         prepare(interactions, out, items=items, seed=3)
     prepare(interactions, out, items=items, seed=3, overwrite=True)
-    assert json.loads((out / "manifest.json").read_text())["parameters"]["seed"] == 3 != json.loads(first)["parameters"]["seed"]
+    assert (
+        json.loads((out / "manifest.json").read_text())["parameters"]["seed"]
+        == 3
+        != json.loads(first)["parameters"]["seed"]
+    )
     assert leftovers(tmp_path) == ["out"]
 
     other = tmp_path / "precious"
@@ -380,11 +431,28 @@ def test_items_option_only_for_generic_files(tmp_path):
 
 def test_cli_prints_statistics(tmp_path, tiny_source):
     interactions, items = tiny_source
-    result = CliRunner().invoke(app, ["prepare", str(interactions), "--out", str(tmp_path / "out"), "--items", str(items), "--max-train-per-user", "3"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "prepare",
+            str(interactions),
+            "--out",
+            str(tmp_path / "out"),
+            "--items",
+            str(items),
+            "--max-train-per-user",
+            "3",
+        ],
+    )
     assert result.exit_code == 0, result.output
     stats = load_examples(tmp_path / "out").manifest
     assert f"fingerprint {stats['fingerprint']}" in result.output
-    for label, value in [("users", 30), ("items", 60), ("train examples", stats["stats"]["train"]), ("test examples", 30)]:
+    for label, value in [
+        ("users", 30),
+        ("items", 60),
+        ("train examples", stats["stats"]["train"]),
+        ("test examples", 30),
+    ]:
         assert any(label in line and f" {value} " in line for line in result.output.splitlines()), label
 
 

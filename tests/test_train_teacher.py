@@ -129,6 +129,7 @@ def test_clear_errors(tiny_examples_dir, sasrec_run, tmp_path):
         (["--model", "no-such-model"], "neither a preset"),
         (["--model", "micro", "--format", "text"], "unknown prompt format"),
         (["--model", "micro", "--eval-every", "often"], "--eval-every"),
+        (["--model", "micro", "--batch-size", "0"], "batch_size must be >= 1"),
     ]:
         result = runner.invoke(app, base + extra)
         assert result.exit_code == 1 and message in result.output, result.output
@@ -138,3 +139,27 @@ def test_clear_errors(tiny_examples_dir, sasrec_run, tmp_path):
     result = runner.invoke(app, ["train-teacher", "--data", str(tiny_examples_dir), "--sasrec", str(other),
                                  "--out", str(tmp_path / "y"), "--model", "micro"])
     assert result.exit_code == 1 and "fingerprint" in result.output
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_match_one_process(tiny_examples_dir, sasrec_run, tmp_path):
+    # The micro Llama has no dropout, so 2 ranks x half batches (gradients averaged) follow the
+    # single-process run up to float32 summation order.
+    import os
+    import subprocess
+    import sys
+
+    args = ["train-teacher", "--data", str(tiny_examples_dir), "--sasrec", str(sasrec_run), "--model", "micro",
+            "--max-train", "32", "--batch-size", "8", "--epochs", "1", "--max-val", "8", "--no-progress"]
+    single = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "one")])
+    assert single.exit_code == 0, single.output
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "-m", "c2kd.cli", *args, "--out", str(tmp_path / "two")],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one, two = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "two" / "model.safetensors")
+    for k in one:
+        torch.testing.assert_close(two[k], one[k], rtol=0, atol=1e-5)
+    log = [json.loads(line) for line in (tmp_path / "two" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log if r["kind"] == "eval"] == [4]  # written once, by rank 0

@@ -125,6 +125,29 @@ def test_each_epoch_sees_every_example_once_in_a_new_order(tmp_path):
     assert epochs[0] != epochs[1] != epochs[2]
 
 
+def test_custom_batch_order_is_followed_and_resumes_exactly(tmp_path):
+    def order(epoch):  # e.g. a shard-local order: contiguous blocks, block order from the epoch
+        blocks = [list(range(i, i + 8)) for i in range(0, N_TRAIN, 8)]
+        return blocks[epoch % 6 :] + blocks[: epoch % 6]
+
+    seen: list[list[int]] = []
+
+    def loss(model, batch):
+        seen.append(batch["idx"].tolist())
+        return loss_fn(model, batch)
+
+    def go(out, loss):
+        model = toy_model()
+        train(model, loss, toy_data(N_TRAIN, 1), collate, accuracy, "neg_loss", config(out), batch_order=order)
+        return model
+
+    ref = go(tmp_path / "a", loss)
+    assert seen[:6] == order(0) and seen[6:12] == order(1)
+    with pytest.raises(Crash):
+        go(tmp_path / "b", crash_on_call(11))
+    assert same_weights(ref, go(tmp_path / "b", loss_fn))
+
+
 def test_resume_after_crash_is_bitwise_identical(tmp_path):
     ref, ref_result = run(tmp_path / "a")
     assert ref_result.final_step == 12  # 4 epochs x 3 steps; the third step of an epoch has one micro-batch
@@ -248,6 +271,16 @@ def test_gradient_accumulation_matches_a_bigger_batch(tmp_path):
         torch.testing.assert_close(x, y, rtol=0, atol=1e-5)
     c, _ = run(tmp_path / "c", dropout=0.0, batch_size=8, grad_accum=1, epochs=1, lr=1e-2)
     assert not torch.allclose(next(a.parameters()), next(c.parameters()), atol=1e-4)  # the check can fail
+
+
+def test_bad_settings_are_refused(tmp_path):
+    for bad in (dict(batch_size=0), dict(grad_accum=0), dict(lr=0.0), dict(warmup_ratio=1.0), dict(eval_every="often")):
+        with pytest.raises(C2KDError):
+            config(tmp_path, **bad)
+    with pytest.raises(C2KDError, match="select_metric"):
+        train(toy_model(), loss_fn, toy_data(8, 1), collate, accuracy, None, config(tmp_path))
+    with pytest.raises(C2KDError, match="no training examples"):
+        train(toy_model(), loss_fn, [], collate, accuracy, "accuracy", config(tmp_path))
 
 
 def test_bf16_autocast_on_cpu_trains(tmp_path):

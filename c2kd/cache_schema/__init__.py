@@ -10,7 +10,7 @@ from c2kd.cache_schema.plan import PlannedShard, ShardPlan, plan_shards
 from c2kd.cache_schema.reader import CacheBatches, TeacherCache
 from c2kd.cache_schema.records import ExampleRecord, answer_positions
 from c2kd.cache_schema.schema import SCHEMA_VERSION, CacheSpec, Compression, LogitsPolicy
-from c2kd.cache_schema.verify import VerifyReport, cache_info, verify_cache
+from c2kd.cache_schema.verify import VerifyReport, cache_info, content_digest, verify_cache
 from c2kd.cache_schema.writer import CacheWriter
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "VerifyReport",
     "answer_positions",
     "cache_info",
+    "content_digest",
     "fingerprint_files",
     "fingerprint_tokenizer",
     "plan_shards",

@@ -167,7 +167,7 @@ class CacheLocation:
         if self._fs is None or self._fs_pid != os.getpid():
             try:
                 self._fs, self._fs_root = fsspec.core.url_to_fs(self.url, **self.storage_options)
-            except ImportError as e:
+            except (ImportError, ValueError) as e:  # unknown protocol, or its fsspec backend not installed
                 raise CacheError(f"{self.url}: cannot read this URL scheme ({e})") from None
             self._fs_pid = os.getpid()
         return self._fs, self._fs_root
@@ -209,6 +209,6 @@ class CacheLocation:
             return LocalStore(self.local_root / rel, read_only=True)
         try:
             inner = FsspecStore.from_url(f"{self.url}/{rel}", storage_options=self.storage_options, read_only=True)
-        except ImportError as e:
+        except (ImportError, ValueError) as e:
             raise CacheError(f"{self.url}: cannot read this URL scheme ({e})") from None
         return RangeSafeStore(inner)

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 import polars as pl
 
 from c2kd.cache_schema import schema as S
@@ -230,3 +231,39 @@ def cache_info(path_or_url: str | os.PathLike | CacheLocation, storage_options: 
         journals = (loc.local_root / S.JOURNAL).glob("rank-*.jsonl")
         info["shards_written"] = sum(1 for p in journals for line in p.read_text().splitlines() if line.strip())
     return info
+
+
+def content_digest(cache_or_path: object, batch_size: int = 64) -> str:
+    """sha256 of the per-example content (in example-id order), independent of sharding and codecs.
+
+    Two caches of the same examples with the same dtype and policies have equal digests exactly
+    when every example's tokens, positions, hidden states and logits are bit-identical.
+    """
+    import hashlib
+
+    from c2kd.cache_schema.reader import TeacherCache
+
+    cache = cache_or_path if isinstance(cache_or_path, TeacherCache) else TeacherCache.open(cache_or_path)
+    h = hashlib.sha256()
+    h.update(S.canonical_json({k: v for k, v in cache.spec.to_dict().items() if k not in ("compression", "examples_per_shard")}).encode())
+    ids = np.sort(cache.index["example_id"].to_numpy())
+    split_of = dict(zip(cache.index["example_id"].to_list(), cache.index["split"].to_list()))
+    for start in range(0, len(ids), batch_size):
+        batch = cache.get(ids[start : start + batch_size])
+        for b, example_id in enumerate(batch.example_ids.tolist()):
+            t, a = int(batch.attention_mask[b].sum()), int(batch.answer_mask[b].sum())
+            rows = t if cache.positions == "all" else a
+            parts = [
+                np.int64(example_id).tobytes(), split_of[example_id].encode(),
+                batch.users[b].numpy().tobytes(), batch.targets[b].numpy().tobytes(),
+                batch.history[b].numpy().tobytes(), batch.candidates[b].numpy().tobytes(),
+                batch.input_ids[b, :t].numpy().tobytes(), batch.slot_items[b, :t].numpy().tobytes(),
+                batch.labels[b, :t].numpy().tobytes(), batch.answer_positions[b, :a].numpy().tobytes(),
+            ]
+            tensors = [batch.hidden[layer][b, :rows] for layer in cache.layers] + [batch.final_hidden[b, :a]]
+            tensors += [x[b, :a] for x in (batch.topk_values, batch.topk_indices, batch.full_logits) if x is not None]
+            for x in tensors:
+                parts.append(x.contiguous().view(torch.uint8).numpy().tobytes() if x.numel() else b"")
+            for p in parts:
+                h.update(len(p).to_bytes(8, "little") + p)
+    return h.hexdigest()

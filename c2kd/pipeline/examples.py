@@ -47,6 +47,7 @@ EXAMPLES_SCHEMA = pa.schema(
     ]
 )
 
+
 @dataclass(frozen=True)
 class ExampleSet:
     """A prepared data folder: the item table, the three splits and the manifest."""
@@ -140,7 +141,9 @@ def load_examples(root: str | Path, verify: bool = False) -> ExampleSet:
     items = _read_table(root / "items.parquet", ITEMS_SCHEMA)
     splits = {name: _read_table(root / f"{name}.parquet", EXAMPLES_SCHEMA) for name in SPLITS}
     if verify and content_fingerprint(items, splits) != manifest.get("fingerprint"):
-        raise DataError(f"{root}: the tables do not match the manifest's fingerprint (files changed after `c2kd prepare`)")
+        raise DataError(
+            f"{root}: the tables do not match the manifest's fingerprint (files changed after `c2kd prepare`)"
+        )
     return ExampleSet(root=root, manifest=manifest, items=items, splits=splits)
 
 

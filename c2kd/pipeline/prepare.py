@@ -131,7 +131,9 @@ def build_examples(interactions: Interactions, *, seed: int = 0, max_train_per_u
     events = events.join(
         pl.DataFrame({"item": item_raw, "item_id": np.arange(1, num_items + 1, dtype=np.int32)}), on="item"
     )
-    distinct = events.sort(["timestamp", "item_id"]).unique(subset=["user", "item_id"], keep="first", maintain_order=True)
+    distinct = events.sort(["timestamp", "item_id"]).unique(
+        subset=["user", "item_id"], keep="first", maintain_order=True
+    )
     duplicates = events.height - distinct.height
 
     lengths = distinct.group_by("user").len()
@@ -297,7 +299,9 @@ def _check_target(out: Path, overwrite: bool) -> None:
     if not overwrite:
         raise C2KDError(f"{out}: already exists; pass --overwrite to replace it")
     if not (out / "manifest.json").is_file():
-        raise C2KDError(f"{out}: not a prepared data folder (no manifest.json); refusing to replace it even with --overwrite")
+        raise C2KDError(
+            f"{out}: not a prepared data folder (no manifest.json); refusing to replace it even with --overwrite"
+        )
 
 
 def write_examples(examples: Examples, manifest: dict, out: str | Path, *, overwrite: bool = False) -> Path:

@@ -234,7 +234,7 @@ def train_sasrec(
     progress: bool = False,
 ) -> dict:
     """Train on a prepared folder, write the run folder, return its metrics.json content."""
-    examples = data if isinstance(data, ExampleSet) else load_examples(data)
+    examples = data if isinstance(data, ExampleSet) else load_examples(data, verify=True)
     out = Path(out)
     if out.exists() and not overwrite:
         raise C2KDError(f"{out} already exists; choose another --out or pass --overwrite")
@@ -369,7 +369,7 @@ def load_item_embeddings(run_dir: str | Path) -> torch.Tensor:
 
 def evaluate_sasrec(run_dir: str | Path, data: str | Path | ExampleSet, split: str = "test") -> dict:
     """Metrics of a trained SASRec run on one split of its prepared folder."""
-    examples = data if isinstance(data, ExampleSet) else load_examples(data)
+    examples = data if isinstance(data, ExampleSet) else load_examples(data, verify=True)
     check_fingerprint(_sasrec_config(Path(run_dir)), examples, run_dir)  # before loading any weights
     model, _ = load_sasrec(run_dir)
     return {"kind": RUN_KIND, "split": split, **evaluate_split(model, SplitTensors.from_frame(examples.split(split)))}

@@ -92,7 +92,10 @@ def read_source(source: str | Path, items: str | Path | None = None) -> Interact
         return read_movielens_100k()
     path = Path(source)
     if not path.exists():
-        raise DataError(f"{path}: no such file or folder (expected {MOVIELENS_100K!r}, a GroupLens folder or zip, or a CSV/Parquet file)")
+        raise DataError(
+            f"{path}: no such file or folder "
+            f"(expected {MOVIELENS_100K!r}, a GroupLens folder or zip, or a CSV/Parquet file)"
+        )
     if path.is_dir():
         _no_items_file(items, str(path))
         if (path / "u.data").is_file():
@@ -110,7 +113,9 @@ def read_source(source: str | Path, items: str | Path | None = None) -> Interact
 
 def _no_items_file(items: str | Path | None, source: str) -> None:
     if items is not None:
-        raise DataError(f"--items applies to a generic CSV/Parquet interactions file, not to {source} (it has its own titles)")
+        raise DataError(
+            f"--items applies to a generic CSV/Parquet interactions file, not to {source} (it has its own titles)"
+        )
 
 
 # --------------------------------------------------------------------------- MovieLens sources
@@ -150,7 +155,9 @@ def read_atomic(inter_path: Path, item_path: Path | None, placeholders: set[str]
         items = _strip_header_types(_read_text_table(item_path.read_bytes(), item_table, separator="\t"))
         title_column = next((c for c in items.columns if "title" in c), None)
         _require_columns(items, item_table, ["item_id"] + ([] if title_column else ["title"]))
-        titles = _titles(items, item_table, events, item="item_id", title=title_column, integer_ids=False, placeholders=placeholders)
+        titles = _titles(
+            items, item_table, events, item="item_id", title=title_column, integer_ids=False, placeholders=placeholders
+        )
         files.append(item_path)
     return Interactions(events, titles, str(inter_path), {"kind": "recbole-atomic", "files": _describe_files(files)})
 
@@ -159,9 +166,13 @@ def read_grouplens_folder(folder: Path) -> Interactions:
     """A GroupLens MovieLens folder: ``u.data`` and, if present, ``u.item``."""
     item = folder / "u.item"
     return _read_grouplens(
-        folder / "u.data", (folder / "u.data").read_bytes(),
+        folder / "u.data",
+        (folder / "u.data").read_bytes(),
         (item, item.read_bytes()) if item.is_file() else None,
-        {"kind": "grouplens-folder", "files": _describe_files([folder / "u.data"] + ([item] if item.is_file() else []))},
+        {
+            "kind": "grouplens-folder",
+            "files": _describe_files([folder / "u.data"] + ([item] if item.is_file() else [])),
+        },
     )
 
 
@@ -178,19 +189,28 @@ def read_grouplens_zip(zip_path: Path) -> Interactions:
         raise DataError(f"{zip_path}: not a readable zip archive ({error})") from None
     description = {"kind": "grouplens-zip", "files": _describe_files([zip_path])}
     return _read_grouplens(
-        f"{zip_path}:{members['u.data']}", data,
+        f"{zip_path}:{members['u.data']}",
+        data,
         (f"{zip_path}:{item[0]}", item[1]) if item else None,
         description,
     )
 
 
-def _read_grouplens(data_name: str | Path, data: bytes, item: tuple[str | Path, bytes] | None, description: dict) -> Interactions:
+def _read_grouplens(
+    data_name: str | Path, data: bytes, item: tuple[str | Path, bytes] | None, description: dict
+) -> Interactions:
     # u.data: user \t item \t rating \t timestamp, no header, integer ids.
     table = _Table(str(data_name), header_lines=0)
     frame = _read_text_table(data, table, separator="\t", has_header=False)
     if frame.width < 4:
-        raise DataError(f"{table.name}: {frame.width} tab-separated fields per line, expected 4 (user, item, rating, timestamp)")
-    frame = frame.select(pl.col(frame.columns[0]).alias("user"), pl.col(frame.columns[1]).alias("item"), pl.col(frame.columns[3]).alias("timestamp"))
+        raise DataError(
+            f"{table.name}: {frame.width} tab-separated fields per line, expected 4 (user, item, rating, timestamp)"
+        )
+    frame = frame.select(
+        pl.col(frame.columns[0]).alias("user"),
+        pl.col(frame.columns[1]).alias("item"),
+        pl.col(frame.columns[3]).alias("timestamp"),
+    )
     events = _events(frame, table, user="user", item="item", timestamp="timestamp", integer_ids=True)
     titles = _empty_titles()
     if item is not None:
@@ -199,9 +219,19 @@ def _read_grouplens(data_name: str | Path, data: bytes, item: tuple[str | Path, 
         text = item[1].decode("latin-1").encode("utf-8")
         items = _read_text_table(text, item_table, separator="|", has_header=False)
         if items.width < 2:
-            raise DataError(f"{item_table.name}: expected '|'-separated fields (movie id | title | ...), found {items.width} per line")
+            raise DataError(
+                f"{item_table.name}: {items.width} '|'-separated field(s) per line, expected movie id | title | ..."
+            )
         items = items.select(pl.col(items.columns[0]).alias("item"), pl.col(items.columns[1]).alias("title"))
-        titles = _titles(items, item_table, events, item="item", title="title", integer_ids=True, placeholders=_MOVIELENS_PLACEHOLDER_TITLES)
+        titles = _titles(
+            items,
+            item_table,
+            events,
+            item="item",
+            title="title",
+            integer_ids=True,
+            placeholders=_MOVIELENS_PLACEHOLDER_TITLES,
+        )
     return Interactions(events, titles, table.name, description)
 
 
@@ -244,7 +274,13 @@ def _read_any_table(path: Path) -> tuple[pl.DataFrame, _Table]:
 
 
 def _read_text_table(
-    data: bytes, table: _Table, *, separator: str, has_header: bool = True, quote_char: str | None = None, utf8: bool = False
+    data: bytes,
+    table: _Table,
+    *,
+    separator: str,
+    has_header: bool = True,
+    quote_char: str | None = None,
+    utf8: bool = False,
 ) -> pl.DataFrame:
     """Every column as text, so that parsing (and its error messages) stays ours."""
     if utf8:
@@ -255,11 +291,17 @@ def _read_text_table(
         raise DataError(f"{table.name}: file is empty")
     try:
         return pl.read_csv(
-            data, separator=separator, has_header=has_header, quote_char=quote_char, infer_schema=False, raise_if_empty=False
+            data,
+            separator=separator,
+            has_header=has_header,
+            quote_char=quote_char,
+            infer_schema=False,
+            raise_if_empty=False,
         )
     except pl.exceptions.PolarsError as error:
         kind = "tab" if separator == "\t" else repr(separator)
-        raise DataError(f"{table.name}: {_ragged_line(data, separator) or f'cannot be read as a {kind}-separated table'} ({_first_line(error)})") from None
+        problem = _ragged_line(data, separator) or f"cannot be read as a {kind}-separated table"
+        raise DataError(f"{table.name}: {problem} ({_first_line(error)})") from None
 
 
 def _ragged_line(data: bytes, separator: str) -> str | None:
@@ -347,7 +389,9 @@ def _timestamps(column: pl.Series, table: _Table, field_name: str) -> pl.Series:
     if as_float.is_not_null()[0]:  # numeric column: every value must be a number
         bad = _first_bad(as_float.is_null() | ~as_float.is_finite())
         if bad is not None:
-            raise DataError(f"{table.at(bad, field_name)}: {text[bad]!r} is not a timestamp (expected a number like the rows above)")
+            raise DataError(
+                f"{table.at(bad, field_name)}: {text[bad]!r} is not a timestamp (expected a number like the rows above)"
+            )
         return as_float
     as_time = text.str.to_datetime(strict=False)
     bad = _first_bad(as_time.is_null())
@@ -359,7 +403,9 @@ def _timestamps(column: pl.Series, table: _Table, field_name: str) -> pl.Series:
     return as_time.dt.epoch("us")
 
 
-def _events(frame: pl.DataFrame, table: _Table, *, user: str, item: str, timestamp: str, integer_ids: bool) -> pl.DataFrame:
+def _events(
+    frame: pl.DataFrame, table: _Table, *, user: str, item: str, timestamp: str, integer_ids: bool
+) -> pl.DataFrame:
     if frame.height == 0:
         raise DataError(f"{table.name}: no interactions (the table has a header but no rows)")
     return pl.DataFrame(
@@ -397,8 +443,7 @@ def _titles(
     raw_titles = frame[title].cast(pl.String) if title else pl.Series([None] * frame.height, dtype=pl.String)
     placeholders = placeholders or set()
     cleaned = [
-        clean_title(t) if t is not None and t.strip().lower() not in placeholders else ""
-        for t in raw_titles.to_list()
+        clean_title(t) if t is not None and t.strip().lower() not in placeholders else "" for t in raw_titles.to_list()
     ]
     return pl.DataFrame({"item": ids, "title": cleaned}).filter(pl.col("title") != "")
 

@@ -18,7 +18,7 @@ import json
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -160,7 +160,10 @@ def train_teacher(
         work.mkdir(parents=True, exist_ok=True)
         _write_json(recipe_path, recipe_record)
 
-    model = build_model(recipe, examples, item_embeddings, seed=config.seed)
+    model = build_model(replace(recipe, lora=None), examples, item_embeddings, seed=config.seed)
+    non_embedding = model.non_embedding_parameters()  # of the LM itself, before any adapters
+    if recipe.lora is not None:
+        add_lora(model, recipe.lora, config.seed)
     encoder = PromptEncoder(model.tokenizer, recipe.fmt, examples.titles())
     train_frame = train_subset(examples.split("train"), recipe.max_train)
     train_data: list[EncodedExample] = encode_frame(encoder, train_frame)
@@ -178,7 +181,7 @@ def train_teacher(
         "format": recipe.fmt,
         "model": {"source": recipe.model, "base": model.spec.base, "preset": model.spec.preset,
                   "layers": model.num_layers, "hidden_size": model.hidden_size,
-                  "non_embedding_parameters": model.non_embedding_parameters(),
+                  "non_embedding_parameters": non_embedding,
                   "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
                   "lora": asdict(recipe.lora) if recipe.lora is not None else None},
         "data": {"dir": str(examples.root), "fingerprint": examples.fingerprint,

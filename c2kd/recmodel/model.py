@@ -28,7 +28,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from c2kd.errors import C2KDError
-from c2kd.recmodel.presets import get_preset
+from c2kd.recmodel.presets import get_preset, resolve_pretrained
 from c2kd.recmodel.prompts import check_format
 from c2kd.recmodel.tokenizer import add_item_tokens, item_token_ids, slot_token_id
 
@@ -187,9 +187,10 @@ class RecLM(nn.Module):
         dtype: torch.dtype = torch.float32,
         seed: int = 0,
     ) -> RecLM:
-        """A pretrained LM (a local Hugging Face folder or a `.gguf` file) with the item and slot
-        tokens added to its own tokenizer and embedding table (new rows seeded)."""
-        path = Path(path)
+        """A pretrained LM (a local Hugging Face folder, a `.gguf` file or an alias such as
+        "smollm2-135m") with the item and slot tokens added to its own tokenizer and embedding
+        table (new rows seeded). A folder written by `save` is loaded as it is."""
+        path = resolve_pretrained(path)
         if (path / SPEC_FILE).is_file():
             model = cls.load(path)
             if model.spec.format != fmt or model.spec.num_items != item_embeddings.shape[0] - 1:

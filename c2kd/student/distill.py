@@ -38,7 +38,7 @@ import os
 import shutil
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -162,7 +162,13 @@ def answer_targets(batch: dict) -> Tensor:
 
 
 def teacher_answer_logits(batch: dict, head_weight: Tensor, policy: str, vocab_size: int) -> Tensor:
-    """[N, V] float32 teacher logits at the answer positions, from what the cache holds."""
+    """[N, V] float32 teacher logits at the answer positions, from what the batch holds.
+
+    A batch that already carries "teacher_logits" (a live teacher, see `live_teacher_batch`) is
+    used as it is; otherwise exact caches rebuild head(final_hidden), full caches are read, and
+    top-k caches put their K logits in a row of -inf."""
+    if "teacher_logits" in batch:
+        return batch["teacher_logits"].float()
     mask = batch["answer_mask"]
     with torch.autocast(head_weight.device.type, enabled=False):
         if policy == "exact":
@@ -172,6 +178,40 @@ def teacher_answer_logits(batch: dict, head_weight: Tensor, policy: str, vocab_s
         values, indices = batch["topk_values"][mask].float(), batch["topk_indices"][mask]
         dense = torch.full((values.shape[0], vocab_size), float("-inf"), device=values.device)
         return dense.scatter(1, indices, values)
+
+
+def answer_index(labels: Tensor) -> tuple[Tensor, Tensor]:
+    """Padded answer positions [B, A] (p with labels[p + 1] != -100) and their mask [B, A]."""
+    is_answer = torch.zeros_like(labels, dtype=torch.bool)
+    is_answer[:, :-1] = labels[:, 1:] != -100
+    counts = is_answer.sum(1)
+    width = int(counts.max()) if len(counts) else 0
+    # stable sort puts the answer positions first, in order
+    order = torch.sort((~is_answer).to(torch.int8), dim=1, stable=True).indices[:, :width]
+    mask = torch.arange(width, device=labels.device).unsqueeze(0) < counts.unsqueeze(1)
+    return torch.where(mask, order, torch.zeros_like(order)), mask
+
+
+@torch.no_grad()
+def live_teacher_batch(teacher: RecLM, tokens: dict, layers: Sequence[int], positions: str = "all") -> dict:
+    """The batch a cache would give, computed by running a live teacher on `tokens` (a `collate`
+    dict): for fidelity checks and for measuring what the cache saves. Teacher logits are the
+    teacher's own (float32), not rebuilt."""
+    out = teacher(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"],
+                  slot_items=tokens["slot_items"], output_hidden_states=True)
+    positions_, mask = answer_index(tokens["labels"])
+    batch = {**tokens, "answer_positions": positions_, "answer_mask": mask}
+    if positions == "all":
+        batch["hidden"] = {l: out.hidden_states[l] for l in layers}
+        batch["hidden_mask"] = tokens["attention_mask"].bool()
+    else:
+        index = positions_.unsqueeze(-1).expand(-1, -1, out.hidden_states[0].shape[-1])
+        batch["hidden"] = {l: torch.gather(out.hidden_states[l], 1, index) for l in layers}
+        batch["hidden_mask"] = mask
+    batch["final_hidden"] = torch.gather(out.hidden_states[teacher.num_layers], 1,
+                                         positions_.unsqueeze(-1).expand(-1, -1, teacher.hidden_size))
+    batch["teacher_logits"] = gather_answers(out.logits.float(), positions_, mask)
+    return batch
 
 
 # ---------------------------------------------------------------- the stage-2 module

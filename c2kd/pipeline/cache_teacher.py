@@ -1,0 +1,383 @@
+"""Stage one, `c2kd cache-teacher`: run the teacher once over the examples and write a teacher cache.
+
+    teacher (RecLM.load) + examples --PromptEncoder--> shard plan (cache_schema.plan_shards)
+      for each shard this rank owns (shard_id % world_size == rank), not yet done:
+        length-bucketed batches -> teacher forward (eval, no grad, hidden states)
+          -> late layers at all/answer positions, final-normed states at answer positions,
+             optional top-k / full logits, cast to the cache dtype
+        -> bounded queue -> writer thread (CacheWriter.write_shard: atomic + journaled)
+      barrier; rank 0 seals (index + manifest, complete = true)
+
+The forward never waits on disk unless the queue is full. Rerunning the same command after an
+interruption (kill -9 included) continues where it stopped; under `torchrun --nproc-per-node N`
+each rank writes its own shards. The layout on disk is cache_schema's business only.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from c2kd.cache_schema import CacheSpec, CacheWriter, ExampleRecord, fingerprint_files, fingerprint_tokenizer, plan_shards
+from c2kd.cache_schema.dtypes import TORCH_DTYPES
+from c2kd.cache_schema.plan import PlannedShard, ShardPlan
+from c2kd.cache_schema.records import answer_positions
+from c2kd.errors import C2KDError, CacheError
+from c2kd.pipeline.examples import SPLITS, ExampleSet, load_examples
+from c2kd.recmodel.layers import late_layers
+from c2kd.recmodel.model import RecLM
+from c2kd.recmodel.prompts import EncodedExample, PromptEncoder, collate
+
+
+@dataclass(frozen=True)
+class CacheTeacherSettings:
+    splits: tuple[str, ...] = SPLITS
+    layers: tuple[int, ...] | None = None  # None: late_layers(num_layers)
+    positions: str = "all"  # hidden states at all tokens, or at answer positions only
+    logits: str = "exact"  # exact (head(final_hidden)), topk:K, full
+    dtype: str = "bfloat16"
+    compression: str = "zstd"
+    max_tokens_per_batch: int = 8192  # padded tokens (batch x longest prompt) per forward
+    examples_per_shard: int = 256
+    queue_shards: int = 2  # finished shards waiting for the writer thread
+    device: str = "auto"  # auto: cuda:LOCAL_RANK when available, else cpu
+    progress: bool = True
+
+
+# ---------------------------------------------------------------- distributed helpers
+
+
+def _dist_env() -> tuple[int, int, int]:
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+
+
+def _device(name: str, local_rank: int) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    return torch.device(name)
+
+
+# ---------------------------------------------------------------- the teacher side
+
+
+def length_buckets(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Indices grouped into batches of similar length with batch x longest <= max_tokens."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        if current and (len(current) + 1) * lengths[i] > max_tokens:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+class TeacherRunner:
+    """Turns the examples of one shard into cache records with one teacher forward per batch."""
+
+    def __init__(self, model: RecLM, encoder: PromptEncoder, spec: CacheSpec, device: torch.device, max_tokens: int):
+        self.model, self.encoder, self.spec, self.device = model, encoder, spec, device
+        self.max_tokens = max_tokens
+        self.head = model.base_lm().get_output_embeddings()
+        if getattr(self.head, "bias", None) is not None:
+            raise CacheError("the teacher's LM head has a bias; the cache stores the head weight only")
+        self.dtype = TORCH_DTYPES[spec.dtype]
+        self.final_needs_norm: bool | None = None  # decided on the first batch (see _final_states)
+        self.forward_seconds = 0.0
+
+    def encode(self, rows: Sequence[dict]) -> list[EncodedExample]:
+        return [self.encoder.encode(r["example_id"], r["history"], r["candidates"], r["target"]) for r in rows]
+
+    def batches(self, encoded: Sequence[EncodedExample]) -> list[list[int]]:
+        return length_buckets([len(e) for e in encoded], self.max_tokens)
+
+    @torch.inference_mode()
+    def forward(self, examples: Sequence[EncodedExample]):
+        """The bare teacher forward of one batch (hidden states; logits of the last position only)."""
+        t = collate(examples, self.encoder.pad_id)
+        start = time.perf_counter()
+        out = self.model(
+            input_ids=t["input_ids"].to(self.device),
+            attention_mask=t["attention_mask"].to(self.device),
+            slot_items=t["slot_items"].to(self.device),
+            output_hidden_states=True,
+            logits_to_keep=1,  # full [B, T, V] logits are never materialised; see _final_states
+        )
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.forward_seconds += time.perf_counter() - start
+        return out
+
+    def _final_states(self, out) -> torch.Tensor:
+        """[B, T, d] post-final-norm states. Hugging Face Llama-style models put them at
+        hidden_states[L]; this is checked once against the model's own logits (last position),
+        and the final norm is applied when the model returns the pre-norm state instead."""
+        last = out.hidden_states[self.model.num_layers]
+        if self.final_needs_norm is None:
+            ref = out.logits[:, -1].float()
+            as_is = (self.head(last[:, -1]).float() - ref).abs().max().item()
+            normed = (self.head(self.model.final_norm(last[:, -1])).float() - ref).abs().max().item()
+            tol = 1e-2 * max(1.0, ref.abs().max().item())
+            if min(as_is, normed) > tol:
+                raise CacheError(
+                    f"cannot reproduce the teacher's logits as head(final hidden state) (error {min(as_is, normed):.3g}); "
+                    "this model family post-processes its logits, which the cache cannot represent"
+                )
+            self.final_needs_norm = normed < as_is
+        return self.model.final_norm(last) if self.final_needs_norm else last
+
+    @torch.inference_mode()
+    def records(self, shard: PlannedShard, rows: Sequence[dict]) -> list[ExampleRecord]:
+        """The cache records of a shard's examples (rows in shard order)."""
+        encoded = self.encode(rows)
+        out_records: list[ExampleRecord | None] = [None] * len(rows)
+        policy = self.spec.logits_policy
+        for batch in self.batches(encoded):
+            examples = [encoded[i] for i in batch]
+            out = self.forward(examples)
+            final = self._final_states(out)
+            answers = [answer_positions(torch.tensor(e.labels)) for e in examples]
+            b_idx = torch.cat([torch.full((len(a),), b, dtype=torch.long) for b, a in enumerate(answers)])
+            p_idx = torch.cat([torch.as_tensor(a, dtype=torch.long) for a in answers])
+            b_idx, p_idx = b_idx.to(self.device), p_idx.to(self.device)
+            final_rows = final[b_idx, p_idx]  # [N_answers, d]
+            counts = [len(a) for a in answers]
+            per_answer = {"final": final_rows.to(self.dtype).cpu().split(counts)}
+            if policy.kind != "exact":
+                logits = self.head(final_rows).float()
+                if policy.kind == "topk":
+                    top = logits.topk(policy.k, dim=-1)
+                    per_answer["topk_values"] = top.values.to(self.dtype).cpu().split(counts)
+                    per_answer["topk_indices"] = top.indices.to(torch.int32).cpu().split(counts)
+                else:
+                    per_answer["full"] = logits.to(self.dtype).cpu().split(counts)
+            hidden: dict[int, list[torch.Tensor]] = {}
+            for layer in self.spec.layers:
+                h = out.hidden_states[layer]
+                if self.spec.positions == "all":
+                    h = h.to(self.dtype).cpu()
+                    hidden[layer] = [h[b, : len(e)] for b, e in enumerate(examples)]
+                else:
+                    hidden[layer] = list(h[b_idx, p_idx].to(self.dtype).cpu().split(counts))
+            for b, i in enumerate(batch):
+                e, r = examples[b], rows[i]
+                out_records[i] = ExampleRecord(
+                    example_id=e.example_id, split=shard.split, user=int(r["user"]), target=int(r["target"]),
+                    history=r["history"], candidates=r["candidates"],
+                    input_ids=torch.tensor(e.input_ids), slot_items=torch.tensor(e.slot_items),
+                    labels=torch.tensor(e.labels), hidden={layer: hidden[layer][b] for layer in self.spec.layers},
+                    final_hidden=per_answer["final"][b],
+                    topk_values=per_answer["topk_values"][b] if "topk_values" in per_answer else None,
+                    topk_indices=per_answer["topk_indices"][b] if "topk_indices" in per_answer else None,
+                    full_logits=per_answer["full"][b] if "full" in per_answer else None,
+                )
+        return out_records  # type: ignore[return-value]
+
+
+# ---------------------------------------------------------------- the disk side
+
+
+class ShardWriterThread:
+    """Writes finished shards in the background; `put` blocks only when the queue is full."""
+
+    def __init__(self, writer: CacheWriter, max_pending: int):
+        self.writer = writer
+        self.queue: queue.Queue = queue.Queue(maxsize=max(1, max_pending))
+        self.error: BaseException | None = None
+        self.bytes_written = 0
+        self.shards_written = 0
+        self.write_seconds = 0.0
+        self.thread = threading.Thread(target=self._run, name="c2kd-cache-writer", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self.queue.get()
+            if item is None:
+                return
+            if self.error is not None:
+                continue  # drain after a failure; the error is raised in the main thread
+            shard_id, records = item
+            try:
+                start = time.perf_counter()
+                entry = self.writer.write_shard(shard_id, records)
+                self.write_seconds += time.perf_counter() - start
+                self.bytes_written += entry["bytes"]
+                self.shards_written += 1
+            except BaseException as e:  # noqa: BLE001 - handed to the main thread, which re-raises it
+                self.error = e
+
+    def put(self, shard_id: int, records: list[ExampleRecord]) -> None:
+        if self.error is not None:
+            raise self.error
+        self.queue.put((shard_id, records))
+
+    def close(self) -> None:
+        self.queue.put(None)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+
+# ---------------------------------------------------------------- the recipe
+
+
+def build_spec(model: RecLM, examples: ExampleSet, teacher_dir: Path, settings: CacheTeacherSettings, pad_id: int) -> CacheSpec:
+    layers = tuple(settings.layers) if settings.layers else tuple(late_layers(model.num_layers))
+    bad = [layer for layer in layers if not 1 <= layer <= model.num_layers]
+    if bad:
+        raise C2KDError(f"--layers {list(layers)}: the teacher has layers 1..{model.num_layers}")
+    weights = sorted(teacher_dir.glob("*.safetensors"))
+    if not weights:
+        raise C2KDError(f"{teacher_dir}: no safetensors weights to fingerprint")
+    return CacheSpec(
+        layers=tuple(sorted(set(layers))),
+        hidden_size=model.hidden_size,
+        vocab_size=int(model.lm_head_weight.shape[0]),
+        dtype=settings.dtype,
+        positions=settings.positions,
+        logits=settings.logits,
+        compression=settings.compression,
+        examples_per_shard=settings.examples_per_shard,
+        splits=tuple(settings.splits),
+        teacher_fingerprint=fingerprint_files(weights),
+        tokenizer_fingerprint=fingerprint_tokenizer(model.tokenizer),
+        data_fingerprint=examples.fingerprint,
+        teacher_description=model.spec.base,
+        teacher_num_layers=model.num_layers,
+        prompt_format=model.spec.format,
+        pad_token_id=pad_id,
+        extra={"num_items": model.spec.num_items},
+    )
+
+
+def teacher_config(model: RecLM) -> dict:
+    return {
+        "reclm": model.spec.to_json(),
+        "lm_config": model.base_lm().config.to_dict(),
+        "num_layers": model.num_layers,
+        "hidden_size": model.hidden_size,
+        "vocab_size": int(model.lm_head_weight.shape[0]),
+        "format": model.spec.format,
+    }
+
+
+def _rows_by_id(examples: ExampleSet, splits: Sequence[str]) -> dict[int, dict]:
+    rows = {}
+    for split in splits:
+        for r in examples.split(split).select("example_id", "user", "history", "target", "candidates").iter_rows(named=True):
+            rows[int(r["example_id"])] = r
+    return rows
+
+
+def _progress(enabled: bool, total: int):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    progress = Progress(
+        TextColumn("[bold]caching teacher"), BarColumn(), MofNCompleteColumn(), TextColumn("examples"),
+        TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TimeRemainingColumn(), disable=not enabled,
+    )
+    task = progress.add_task("cache", total=total, rate="")
+    return progress, task
+
+
+def cache_teacher(
+    teacher: str | os.PathLike,
+    data: str | os.PathLike | ExampleSet,
+    out: str | os.PathLike,
+    settings: CacheTeacherSettings = CacheTeacherSettings(),
+) -> dict:
+    """Write (or finish) the teacher cache at `out`; returns a summary of this rank's work."""
+    wall = time.perf_counter()
+    rank, world_size, local_rank = _dist_env()
+    started_dist = False
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() and settings.device != "cpu" else "gloo")
+        started_dist = True
+    try:
+        device = _device(settings.device, local_rank)
+        teacher_dir = Path(teacher)
+        examples = data if isinstance(data, ExampleSet) else load_examples(data)
+        for split in settings.splits:
+            examples.split(split)  # unknown split names fail here, clearly
+        model = RecLM.load(teacher_dir, device=device).eval()
+        if model.spec.data_fingerprint and model.spec.data_fingerprint != examples.fingerprint:
+            raise C2KDError(
+                f"{teacher_dir} was trained on other data (fingerprint {model.spec.data_fingerprint[:12]}…) than "
+                f"{examples.root} ({examples.fingerprint[:12]}…); item ids would not match"
+            )
+        encoder = PromptEncoder(model.tokenizer, model.spec.format, examples.titles())
+        spec = build_spec(model, examples, teacher_dir, settings, encoder.pad_id)
+        plan = plan_shards({s: examples.split(s)["example_id"].to_list() for s in settings.splits}, spec.examples_per_shard)
+        writer = CacheWriter(out, spec, rank=rank, world_size=world_size)
+        summary = {"out": str(out), "rank": rank, "world_size": world_size, "shards_planned": len(plan),
+                   "layers": list(spec.layers), "already_complete": writer.already_complete}
+        if writer.already_complete:
+            return {**summary, "complete": True, "shards_written": 0, "examples": 0, "seconds": time.perf_counter() - wall}
+        if rank == 0:
+            writer.write_assets(model.tokenizer, model.lm_head_weight.detach(), model.item_embeddings, teacher_config(model))
+        stats = write_shards(model, encoder, spec, plan, writer, _rows_by_id(examples, settings.splits), device, settings, rank, world_size)
+        if world_size > 1:
+            dist.barrier()
+        if rank == 0:
+            writer.seal(plan)
+        return {**summary, **stats, "complete": True, "seconds": time.perf_counter() - wall}
+    finally:
+        if started_dist:
+            dist.destroy_process_group()
+
+
+def write_shards(
+    model: RecLM,
+    encoder: PromptEncoder,
+    spec: CacheSpec,
+    plan: ShardPlan,
+    writer: CacheWriter,
+    rows: dict[int, dict],
+    device: torch.device,
+    settings: CacheTeacherSettings,
+    rank: int = 0,
+    world_size: int = 1,
+) -> dict:
+    """This rank's missing shards: teacher forward on the main thread, writing on a background one."""
+    done = writer.done_shards()
+    todo = [s for s in plan.owned_by(rank, world_size) if s.shard_id not in done]
+    runner = TeacherRunner(model, encoder, spec, device, settings.max_tokens_per_batch)
+    background = ShardWriterThread(writer, settings.queue_shards)
+    total = sum(len(s.example_ids) for s in todo)
+    progress, task = _progress(settings.progress and rank == 0, total)
+    start = time.perf_counter()
+    n_examples = n_tokens = 0
+    try:
+        with progress:
+            for shard in todo:
+                records = runner.records(shard, [rows[i] for i in shard.example_ids])
+                background.put(shard.shard_id, records)
+                n_examples += len(records)
+                n_tokens += sum(r.num_tokens for r in records)
+                elapsed = max(time.perf_counter() - start, 1e-9)
+                rate = f"{n_examples / elapsed:,.1f} ex/s · {background.bytes_written / elapsed / 1e6:,.2f} MB/s written"
+                progress.update(task, advance=len(records), rate=rate)
+    finally:
+        background.close()  # waits for the queued shards; re-raises a writer failure
+    return {
+        "shards_written": len(todo),
+        "shards_skipped": len(plan.owned_by(rank, world_size)) - len(todo),
+        "examples": n_examples,
+        "tokens": n_tokens,
+        "bytes_written": background.bytes_written,
+        "forward_seconds": runner.forward_seconds,
+        "write_seconds": background.write_seconds,
+        "loop_seconds": time.perf_counter() - start,
+    }

@@ -1,0 +1,203 @@
+"""Stage one (`cache-teacher`): fidelity to the live teacher, kill -9 + resume, 2-rank torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from c2kd.cache_schema import TeacherCache, content_digest, fingerprint_tokenizer, verify_cache
+from c2kd.cli import app
+from c2kd.errors import C2KDError
+from c2kd.pipeline.cache_teacher import CacheTeacherSettings, cache_teacher, length_buckets
+from c2kd.pipeline.examples import load_examples
+from c2kd.recmodel.layers import late_layers
+from c2kd.recmodel.model import RecLM
+from c2kd.recmodel.prompts import PromptEncoder, collate
+from c2kd.recmodel.tokenizer import build_word_tokenizer
+
+# The logit error of exact mode comes only from rounding final_hidden to the cache dtype.
+# Bounds relative to the largest |logit|: float32 is exact up to float rounding.
+EXACT_LOGIT_TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 2e-2}
+
+
+@pytest.fixture(scope="module")
+def examples(tiny_examples_dir):
+    return load_examples(tiny_examples_dir)
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(examples, tmp_path_factory) -> Path:
+    torch.manual_seed(0)
+    tokenizer = build_word_tokenizer(examples.titles()[1:], examples.num_items)
+    emb = torch.randn(examples.num_items + 1, 64)
+    emb[0] = 0
+    model = RecLM.from_preset("tiny-teacher", tokenizer, emb, "ids", seed=5, data_fingerprint=examples.fingerprint)
+    return model.save(tmp_path_factory.mktemp("teacher") / "teacher")
+
+
+def _live(teacher: RecLM, examples, ids):
+    """The live teacher on these examples, unbatched-equivalent: collate + one forward."""
+    enc = PromptEncoder(teacher.tokenizer, teacher.spec.format, examples.titles())
+    rows = {r["example_id"]: r for s in ("train", "validation", "test") for r in examples.split(s).iter_rows(named=True)}
+    encoded = [enc.encode(i, rows[i]["history"], rows[i]["candidates"], rows[i]["target"]) for i in ids]
+    tokens = collate(encoded, enc.pad_id)
+    with torch.no_grad():
+        out = teacher(tokens["input_ids"], tokens["attention_mask"], tokens["slot_items"], output_hidden_states=True)
+    return tokens, out
+
+
+def test_length_buckets_respect_the_token_budget():
+    lengths = [5, 30, 7, 31, 6, 29, 40]
+    batches = length_buckets(lengths, max_tokens=64)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    assert all(len(b) * max(lengths[i] for i in b) <= 64 or len(b) == 1 for b in batches)
+    assert set(batches[0]) == {0, 2, 4}  # the short prompts share a batch
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cached_teacher_equals_live_teacher(teacher_dir, examples, tmp_path, dtype):
+    out = tmp_path / "cache"
+    settings = CacheTeacherSettings(splits=("validation", "test"), dtype=dtype, logits="full", examples_per_shard=16,
+                                    max_tokens_per_batch=1024, progress=False)
+    summary = cache_teacher(teacher_dir, examples, out, settings)
+    assert summary["shards_written"] == summary["shards_planned"] == 4  # 30 + 30 examples, 16 per shard
+    teacher = RecLM.load(teacher_dir).eval()
+    cache = TeacherCache.open(
+        out, expect={"tokenizer_fingerprint": fingerprint_tokenizer(teacher.tokenizer), "layers": late_layers(6),
+                     "data_fingerprint": examples.fingerprint, "logits": "full"},
+    )
+    assert cache.layers == (2, 3, 4, 5) and len(cache) == 60
+    assert torch.equal(cache.head_weight(), teacher.lm_head_weight.detach())
+    assert torch.equal(cache.item_embeddings(), teacher.item_embeddings)
+    assert cache.tokenizer().get_vocab() == teacher.tokenizer.get_vocab()
+    ids = cache.index["example_id"].to_list()[::3]  # across all shards and both splits
+    batch = cache.get(ids)
+    tokens, live = _live(teacher, examples, ids)
+    for name in ("input_ids", "attention_mask", "slot_items", "labels"):
+        assert torch.equal(getattr(batch, name), tokens[name]), name
+    live_logits = batch.at_answers(live.logits)[batch.answer_mask]
+    exact = (batch.final_hidden.float() @ cache.head_weight().float().T)[batch.answer_mask]
+    err = (exact - live_logits).abs().max().item()
+    scale = live_logits.abs().max().item()
+    assert err <= EXACT_LOGIT_TOLERANCE[dtype] * scale, f"{dtype}: max |exact - live| = {err:.3g} (|logit| <= {scale:.3g})"
+    assert torch.allclose(batch.full_logits[batch.answer_mask].float(), live_logits, atol=EXACT_LOGIT_TOLERANCE[dtype] * scale)
+    mask = batch.attention_mask.bool()
+    for layer in cache.layers:
+        ref = live.hidden_states[layer][mask]
+        assert torch.allclose(batch.hidden[layer][mask].float(), ref, atol=1e-4 + 8e-3 * (dtype != "float32") * ref.abs().max().item())
+
+
+def test_cli_answer_positions_topk_and_rerun_is_a_no_op(teacher_dir, tiny_examples_dir, tmp_path):
+    out = tmp_path / "cache"
+    args = ["cache-teacher", "--teacher", str(teacher_dir), "--data", str(tiny_examples_dir), "--out", str(out),
+            "--splits", "validation,test", "--layers", "5,6", "--positions", "answer", "--logits", "topk:4",
+            "--examples-per-shard", "16", "--no-progress"]
+    runner = CliRunner()
+    first = runner.invoke(app, args)
+    assert first.exit_code == 0, first.output
+    assert "cached 60 examples" in first.output
+    cache = TeacherCache.open(out, expect={"positions": "answer", "logits": "topk", "splits": ["validation", "test"]})
+    assert cache.layers == (5, 6) and verify_cache(out).ok
+    teacher = RecLM.load(teacher_dir).eval()
+    ids = cache.split_ids("test")[:5].tolist()
+    batch = cache.get(ids)
+    _, live = _live(teacher, examples=load_examples(tiny_examples_dir), ids=ids)
+    live_top = batch.at_answers(live.logits)[batch.answer_mask].topk(4)
+    assert torch.equal(batch.topk_indices[batch.answer_mask], live_top.indices)
+    # HF's last hidden state is the final-normed one: layer 6 at the answers equals final_hidden
+    assert torch.equal(batch.hidden[6], batch.final_hidden)
+    again = runner.invoke(app, args)
+    assert again.exit_code == 0 and "already a complete cache" in again.output
+    other = runner.invoke(app, [*args[:-3], "8", "--no-progress"])  # another shard size
+    assert other.exit_code == 1 and "other settings" in other.output
+
+
+def test_refusals_before_any_work(teacher_dir, tiny_examples_dir, tmp_path):
+    with pytest.raises(C2KDError, match="the teacher has layers 1..6"):
+        cache_teacher(teacher_dir, tiny_examples_dir, tmp_path / "a", CacheTeacherSettings(layers=(6, 7), progress=False))
+    with pytest.raises(C2KDError, match="unknown split"):
+        cache_teacher(teacher_dir, tiny_examples_dir, tmp_path / "b", CacheTeacherSettings(splits=("dev",), progress=False))
+    with pytest.raises(C2KDError, match="positions"):
+        cache_teacher(teacher_dir, tiny_examples_dir, tmp_path / "c", CacheTeacherSettings(positions="some", progress=False))
+    result = CliRunner().invoke(app, ["cache-teacher", "--teacher", str(tmp_path), "--data", str(tiny_examples_dir),
+                                      "--out", str(tmp_path / "d")])
+    assert result.exit_code == 1 and "not a saved recommender" in result.output
+
+
+# ---------------------------------------------------------------- processes: kill -9, torchrun
+
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # torchrun's default too
+
+
+def _cli(teacher_dir, data_dir, out):
+    return ["-m", "c2kd.cli", "cache-teacher", "--teacher", str(teacher_dir), "--data", str(data_dir), "--out", str(out),
+            "--examples-per-shard", "24", "--max-tokens-per-batch", "512", "--no-progress"]
+
+
+def _journal_lines(root: Path) -> int:
+    folder = root / "journal"
+    return sum(len(p.read_text().splitlines()) for p in folder.glob("rank-*.jsonl")) if folder.is_dir() else 0
+
+
+def _shard_checksums(root: Path) -> list[str]:
+    return [s["sha256"] for s in json.loads((root / "manifest.json").read_text())["shards"]]
+
+
+@pytest.fixture(scope="module")
+def reference(teacher_dir, tiny_examples_dir, tmp_path_factory):
+    """An uninterrupted single-process cache (one thread, like each torchrun rank)."""
+    out = tmp_path_factory.mktemp("reference") / "cache"
+    done = subprocess.run([sys.executable, *_cli(teacher_dir, tiny_examples_dir, out)], env=ONE_THREAD,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out, content_digest(out), _shard_checksums(out)
+
+
+@pytest.mark.slow
+def test_kill_9_at_several_points_then_resume_equals_uninterrupted(teacher_dir, tiny_examples_dir, tmp_path, reference):
+    out = tmp_path / "cache"
+    for kill_after in (1, 5):  # shards journaled before the kill
+        proc = subprocess.Popen([sys.executable, *_cli(teacher_dir, tiny_examples_dir, out)], env=ONE_THREAD,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            deadline = time.monotonic() + 300
+            while _journal_lines(out) < kill_after and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert proc.poll() is None, f"finished before the kill: {proc.stderr.read().decode()[-2000:]}"
+            os.kill(proc.pid, signal.SIGKILL)
+        finally:
+            proc.kill()
+            proc.wait(timeout=30)
+        with pytest.raises(Exception, match="incomplete"):
+            TeacherCache.open(out)
+    done = subprocess.run([sys.executable, *_cli(teacher_dir, tiny_examples_dir, out)], env=ONE_THREAD,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "already done" in done.stdout
+    ref_out, ref_digest, ref_sums = reference
+    assert content_digest(out) == ref_digest
+    assert _shard_checksums(out) == ref_sums
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_equal_one_rank(teacher_dir, tiny_examples_dir, tmp_path, reference):
+    out = tmp_path / "cache"
+    # `torchrun ... -m c2kd.cli cache-teacher ...`: -m runs the script as a module in each rank
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           *_cli(teacher_dir, tiny_examples_dir, out)]
+    done = subprocess.run(cmd, env=ONE_THREAD, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert {s["rank"] for s in manifest["shards"]} == {0, 1}
+    ref_out, ref_digest, ref_sums = reference
+    assert content_digest(out) == ref_digest
+    assert _shard_checksums(out) == ref_sums

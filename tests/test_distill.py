@@ -1,0 +1,332 @@
+"""Stage two: distilling from a teacher cache (fidelity to the live teacher, methods, refusals, DDP)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from c2kd.cache_schema.fingerprints import fingerprint_tokenizer
+from c2kd.cache_schema.plan import plan_shards
+from c2kd.cache_schema.reader import TeacherCache
+from c2kd.cache_schema.records import ExampleRecord
+from c2kd.cache_schema.schema import CacheSpec
+from c2kd.cache_schema.writer import CacheWriter
+from c2kd.cli import app
+from c2kd.errors import C2KDError
+from c2kd.pipeline.examples import load_examples
+from c2kd.pipeline.prepare import prepare
+from c2kd.recmodel.layers import late_layers
+from c2kd.recmodel.model import RecLM
+from c2kd.recmodel.prompts import PromptEncoder, collate, encode_frame
+from c2kd.recmodel.tokenizer import build_word_tokenizer
+from c2kd.student.c2kd_modules import LayerFilters
+from c2kd.student.distill import (
+    DistillModel,
+    DistillRecipe,
+    answer_index,
+    batch_dict,
+    build_student,
+    distill,
+    live_teacher_batch,
+)
+from c2kd.training import read_log
+
+SPLITS = ("train", "validation", "test")
+
+
+# ---------------------------------------------------------------- fixtures: teacher and caches
+
+
+def write_cache(teacher: RecLM, examples, root: Path, *, positions="all", dtype="bfloat16", logits="exact") -> Path:
+    """Run the teacher over every example and write a cache with the cache_schema writer."""
+    spec = CacheSpec(
+        layers=late_layers(teacher.num_layers), hidden_size=teacher.hidden_size,
+        vocab_size=int(teacher.lm_head_weight.shape[0]), dtype=dtype, positions=positions, logits=logits,
+        examples_per_shard=64, splits=SPLITS, teacher_fingerprint="test-teacher",
+        tokenizer_fingerprint=fingerprint_tokenizer(teacher.tokenizer), data_fingerprint=examples.fingerprint,
+        teacher_description="tiny-teacher (random)", teacher_num_layers=teacher.num_layers, prompt_format="ids",
+        pad_token_id=int(teacher.tokenizer.pad_token_id),
+    )
+    writer = CacheWriter(root, spec)
+    writer.write_assets(teacher.tokenizer, teacher.lm_head_weight.detach(), teacher.item_embeddings,
+                        {"num_layers": teacher.num_layers})
+    encoder = PromptEncoder(teacher.tokenizer, "ids", examples.titles())
+    rows = {}
+    for split in SPLITS:
+        frame = examples.split(split)
+        for enc, row in zip(encode_frame(encoder, frame), frame.iter_rows(named=True), strict=True):
+            rows[enc.example_id] = (split, enc, row)
+    plan = plan_shards({s: examples.split(s)["example_id"].to_list() for s in SPLITS}, spec.examples_per_shard)
+    k = spec.logits_policy.k
+    with torch.no_grad():
+        for shard in plan.shards:
+            records = []
+            for eid in shard.example_ids:
+                split, enc, row = rows[eid]
+                ids = torch.tensor([enc.input_ids])
+                out = teacher(ids, torch.ones_like(ids), torch.tensor([enc.slot_items]), output_hidden_states=True)
+                ans = (torch.tensor(enc.labels)[1:] != -100).nonzero().flatten()
+                keep = slice(None) if positions == "all" else ans
+                logits_at = out.logits[0, ans]
+                top = logits_at.topk(k, dim=-1) if k else None
+                records.append(ExampleRecord(
+                    eid, split, row["user"], row["target"], row["history"], row["candidates"],
+                    enc.input_ids, enc.slot_items, enc.labels,
+                    {l: out.hidden_states[l][0, keep] for l in spec.layers},
+                    out.hidden_states[teacher.num_layers][0, ans],
+                    topk_values=top.values if top else None, topk_indices=top.indices if top else None,
+                    full_logits=logits_at if logits == "full" else None,
+                ))
+            writer.write_shard(shard.shard_id, records)
+    writer.seal(plan)
+    return root
+
+
+@pytest.fixture(scope="module")
+def examples(tiny_examples_dir):
+    return load_examples(tiny_examples_dir)
+
+
+@pytest.fixture(scope="module")
+def teacher(examples, tmp_path_factory):
+    torch.manual_seed(0)
+    tokenizer = build_word_tokenizer(examples.titles()[1:], examples.num_items)
+    emb = torch.randn(examples.num_items + 1, 64)
+    emb[0] = 0
+    model = RecLM.from_preset("tiny-teacher", tokenizer, emb, "ids", seed=3, data_fingerprint=examples.fingerprint)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def caches(teacher, examples, tmp_path_factory):
+    """Caches of the same teacher with several policies, written lazily."""
+    root = tmp_path_factory.mktemp("caches")
+    made: dict = {}
+
+    def get(positions="all", dtype="bfloat16", logits="exact") -> Path:
+        key = (positions, dtype, logits)
+        if key not in made:
+            made[key] = write_cache(teacher, examples, root / "-".join(key).replace(":", ""),
+                                    positions=positions, dtype=dtype, logits=logits)
+        return made[key]
+
+    return get
+
+
+def _live_tokens(teacher, examples, example_ids):
+    """The same examples encoded with the teacher's tokenizer, as a live pipeline would feed them."""
+    encoder = PromptEncoder(teacher.tokenizer, "ids", examples.titles())
+    frame = examples.split("train")
+    by_id = {e.example_id: e for e in encode_frame(encoder, frame)}
+    return collate([by_id[i] for i in example_ids], encoder.pad_id)
+
+
+def _model(cache: TeacherCache, recipe: DistillRecipe, seed=0) -> DistillModel:
+    torch.manual_seed(seed)
+    student = build_student(recipe, cache, seed=seed)
+    filters = LayerFilters(cache.spec.layers, cache.spec.hidden_size, student.hidden_size, cache.spec.vocab_size)
+    layer_map = {1: 3} if recipe.method == "feature-kd" else None
+    return DistillModel(student, recipe, cache.spec, cache.head_weight(), filters if recipe.method == "c2kd" else None,
+                        layer_map).eval()
+
+
+# ---------------------------------------------------------------- fidelity: cache == live teacher
+
+RECIPES = {
+    "c2kd": DistillRecipe(student="micro"),
+    "c2kd-soft": DistillRecipe(student="micro", router="soft"),
+    "c2kd-no-cross-head": DistillRecipe(student="micro", cross_head=False),
+    "logit-kd": DistillRecipe(student="micro", method="logit-kd"),
+    "feature-kd": DistillRecipe(student="micro", method="feature-kd"),
+}
+
+
+# Tolerances: float32 caches hold the teacher's values exactly (only summation order differs);
+# bfloat16 keeps 8 significant bits (relative rounding <= 2^-9 ~ 0.2% per element), which moves
+# these losses by well under 1% relative.
+@pytest.mark.parametrize("positions,dtype,rtol", [("all", "float32", 1e-5), ("answer", "float32", 1e-5),
+                                                  ("all", "bfloat16", 1e-2), ("answer", "bfloat16", 1e-2)])
+def test_every_loss_from_the_cache_equals_the_live_teacher(caches, teacher, examples, positions, dtype, rtol):
+    cache = TeacherCache.open(caches(positions, dtype))
+    ids = cache.split_ids("train")[:12].tolist()
+    cached = batch_dict(cache.get(ids))
+    live = live_teacher_batch(teacher, _live_tokens(teacher, examples, ids), cache.spec.layers, positions)
+    for key in ("input_ids", "slot_items", "labels", "attention_mask", "answer_positions", "answer_mask"):
+        assert torch.equal(cached[key], live[key].to(cached[key].dtype)), key
+    for name, recipe in RECIPES.items():
+        model = _model(cache, recipe)
+        from_cache, from_teacher = model(cached), model(live)
+        assert set(from_cache) == set(from_teacher)
+        for term, value in from_cache.items():
+            assert torch.allclose(value, from_teacher[term], rtol=rtol, atol=1e-7), (name, term, value, from_teacher[term])
+        if dtype == "float32" and recipe.method == "c2kd":
+            assert model.router_counts == {}  # eval mode: choices are only counted in training
+
+
+def test_router_picks_the_same_layers_from_cache_and_live_teacher(caches, teacher, examples):
+    cache = TeacherCache.open(caches("all", "float32"))
+    ids = cache.split_ids("train")[:12].tolist()
+    model = _model(cache, DistillRecipe(student="micro")).train()
+    model(batch_dict(cache.get(ids)))
+    from_cache = dict(model.router_counts)
+    model.router_counts.clear()
+    model(live_teacher_batch(teacher, _live_tokens(teacher, examples, ids), cache.spec.layers, "all"))
+    assert model.router_counts == from_cache and sum(from_cache.values()) == 12
+
+
+@pytest.mark.parametrize("logits", ["full", "topk:K"])
+def test_full_and_topk_caches_give_the_exact_logit_loss(caches, teacher, examples, logits):
+    vocab = int(teacher.lm_head_weight.shape[0])
+    logits = logits.replace("K", str(vocab))  # top-V holds every logit: must equal exact mode
+    exact = TeacherCache.open(caches("answer", "float32", "exact"))
+    other = TeacherCache.open(caches("answer", "float32", logits))
+    ids = exact.split_ids("train")[:8].tolist()
+    for recipe in (RECIPES["c2kd"], RECIPES["logit-kd"]):
+        a = _model(exact, recipe)(batch_dict(exact.get(ids)))
+        b = _model(other, recipe)(batch_dict(other.get(ids)))
+        assert torch.allclose(a["logit"], b["logit"], rtol=1e-5)
+
+
+def test_small_topk_cache_gives_a_finite_loss_close_to_exact(caches):
+    exact = TeacherCache.open(caches("answer", "float32", "exact"))
+    top = TeacherCache.open(caches("answer", "float32", "topk:8"))
+    ids = exact.split_ids("train")[:8].tolist()
+    a = _model(exact, RECIPES["logit-kd"])(batch_dict(exact.get(ids)))["logit"]
+    b = _model(top, RECIPES["logit-kd"])(batch_dict(top.get(ids)))["logit"]
+    assert torch.isfinite(b) and b.item() != pytest.approx(a.item(), rel=1e-6)
+
+
+def test_answer_index_matches_the_cache(caches, teacher, examples):
+    cache = TeacherCache.open(caches("answer", "float32"))
+    ids = cache.split_ids("train")[:5].tolist()
+    batch = cache.get(ids)
+    positions, mask = answer_index(batch.labels)
+    assert torch.equal(mask, batch.answer_mask)
+    assert torch.equal(positions[mask], batch.answer_positions[batch.answer_mask])
+
+
+# ---------------------------------------------------------------- what each method trains
+
+
+@pytest.mark.parametrize("recipe,terms", [
+    (DistillRecipe(student="micro", method="sft"), {"loss", "lm"}),
+    (DistillRecipe(student="micro", method="logit-kd"), {"loss", "lm", "logit"}),
+    (DistillRecipe(student="micro", method="feature-kd"), {"loss", "lm", "feat"}),
+    (DistillRecipe(student="micro"), {"loss", "lm", "feat", "logit", "orth"}),
+    (DistillRecipe(student="micro", orth=False), {"loss", "lm", "feat", "logit"}),
+    (DistillRecipe(student="micro", cross_head=False), {"loss", "lm", "feat", "logit"}),
+    (DistillRecipe(student="micro", router="fixed:4"), {"loss", "lm", "feat", "logit", "orth"}),
+])
+def test_loss_terms_and_gradients_per_method(caches, recipe, terms):
+    cache = TeacherCache.open(caches("all", "bfloat16"))
+    model = _model(cache, recipe).train()
+    out = model(batch_dict(cache.get(cache.split_ids("train")[:6])))
+    assert set(out) == terms
+    weights = {"feat": recipe.w_feat, "logit": recipe.w_logit, "orth": recipe.w_orth}
+    assert torch.allclose(out["loss"], out["lm"] + sum(weights[t] * out[t] for t in terms - {"loss", "lm"}))
+    out["loss"].backward()
+    assert model.teacher_head.grad is None  # frozen teacher head
+    if model.filters is not None:
+        assert all(p.grad is None for p in model.filters.parameters())  # frozen after stage 1
+    trained = model.trainable_parameters()
+    assert trained and all(p.grad is not None for p in trained)
+    if recipe.method == "c2kd" and recipe.router == "fixed:4":
+        assert model.router_counts == {4: 6}
+
+
+# ---------------------------------------------------------------- the recipe end to end
+
+
+def test_distill_runs_with_the_teacher_checkpoint_deleted(caches, teacher, examples, tmp_path):
+    teacher_dir = teacher.save(tmp_path / "teacher")
+    cache = write_cache(RecLM.load(teacher_dir), examples, tmp_path / "cache", positions="all")
+    shutil.rmtree(teacher_dir)  # stage two must not need it
+    out = tmp_path / "student"
+    result = CliRunner().invoke(app, [
+        "distill", "--cache", str(cache), "--data", str(examples.root), "--out", str(out), "--student", "micro",
+        "--epochs", "2", "--batch-size", "32", "--stage1-epochs", "1", "--no-progress", "--seed", "1",
+    ])
+    assert result.exit_code == 0, result.output
+    assert "test HR@1" in result.output
+    for name in ("distill.json", "metrics.json", "log.jsonl", "stage1_log.jsonl", "distill.png", "reclm.json"):
+        assert (out / name).is_file(), name
+    assert not Path(str(out) + ".partial").exists()
+    record = json.loads((out / "distill.json").read_text())
+    train_count = examples.split("train").height
+    epochs = [r for r in read_log(out, "epoch")]
+    assert len(epochs) == 2
+    for line in epochs:  # every train example is routed once per epoch
+        assert set(line["router_counts"]) == {"2", "3", "4", "5"}
+        assert sum(line["router_counts"].values()) == train_count
+        assert {"lm", "feat", "logit", "orth", "loss"} <= set(line)
+    assert record["metrics"]["test"]["examples"] == examples.split("test").height
+    assert "NDCG@10" in record["metrics"]["validation"]["candidates"]
+    assert "NDCG@10" in record["metrics"]["test"]["full_catalog"]
+    assert record["stage1_steps"] > 0 and record["student"]["distilled_layer"] == 1
+    student = RecLM.load(out)  # a normal model folder
+    assert student.tokenizer.get_vocab() == teacher.tokenizer.get_vocab()
+
+
+def test_sft_from_the_cache_reads_no_teacher_states(caches, examples, tmp_path, monkeypatch):
+    cache = caches("all", "bfloat16")
+    asked = []
+    original = TeacherCache.get
+
+    def spy(self, ids, **kw):
+        asked.append(kw)
+        return original(self, ids, **kw)
+
+    monkeypatch.setattr(TeacherCache, "get", spy)
+    record = distill(cache, examples.root, tmp_path / "sft", DistillRecipe(method="sft", student="micro", max_val=10),
+                     {"max_steps": 3, "batch_size": 16, "progress": False})
+    assert record["final_step"] == 3 and record["stage1_steps"] == 0
+    assert asked and all(kw == {"layers": [], "final_hidden": False, "logits": False} for kw in asked)
+
+
+def test_refusals_before_training(caches, examples, tmp_path_factory, tiny_source, tmp_path):
+    cache = caches("all", "bfloat16")
+    other_data = tmp_path_factory.mktemp("other") / "examples"
+    prepare(tiny_source[0], other_data, seed=1, items=tiny_source[1])
+    with pytest.raises(C2KDError, match="data fingerprint"):
+        distill(cache, other_data, tmp_path / "a", DistillRecipe(student="micro"))
+    with pytest.raises(C2KDError, match="layer 9 is not cached"):
+        distill(cache, examples.root, tmp_path / "b", DistillRecipe(student="micro", router="fixed:9"))
+    with pytest.raises(C2KDError, match="expected one of top1, soft, fixed:L"):
+        DistillRecipe(router="fixed")
+    with pytest.raises(C2KDError, match="--method"):
+        DistillRecipe(method="dpo")
+    # a saved student with another tokenizer cannot learn token by token from this teacher
+    foreign = build_word_tokenizer(["Something else entirely"] + examples.titles()[2:], examples.num_items)
+    emb = torch.zeros(examples.num_items + 1, 64)
+    RecLM.from_preset("micro", foreign, emb, "ids").save(tmp_path / "foreign")
+    with pytest.raises(C2KDError, match="tokenizer differs"):
+        distill(cache, examples.root, tmp_path / "c", DistillRecipe(student=str(tmp_path / "foreign")))
+    assert not any(p.name in {"a", "b", "c"} for p in tmp_path.iterdir())
+
+
+# ---------------------------------------------------------------- many processes
+
+
+@pytest.mark.slow
+def test_ddp_two_ranks_each_read_their_part(caches, examples, tmp_path):
+    cache = caches("answer", "bfloat16")
+    out = tmp_path / "ddp"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29613",
+           "-m", "c2kd.cli", "distill", "--cache", str(cache), "--data", str(examples.root), "--out", str(out),
+           "--student", "micro", "--epochs", "1", "--batch-size", "32", "--max-val", "10", "--no-progress"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    epochs = read_log(out, "epoch")
+    # counts are summed over the ranks: each example was read (and routed) by exactly one rank
+    assert sum(epochs[0]["router_counts"].values()) == examples.split("train").height
+    assert (out / "metrics.json").is_file()
