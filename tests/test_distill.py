@@ -9,22 +9,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from typer.testing import CliRunner
 
-from c2kd.cache_schema.fingerprints import fingerprint_tokenizer
-from c2kd.cache_schema.plan import plan_shards
 from c2kd.cache_schema.reader import TeacherCache
-from c2kd.cache_schema.records import ExampleRecord
-from c2kd.cache_schema.schema import CacheSpec
-from c2kd.cache_schema.writer import CacheWriter
 from c2kd.cli import app
 from c2kd.errors import C2KDError
+from c2kd.pipeline.cache_teacher import CacheTeacherSettings, cache_teacher
 from c2kd.pipeline.examples import load_examples
 from c2kd.pipeline.prepare import prepare
-from c2kd.recmodel.layers import late_layers
 from c2kd.recmodel.model import RecLM
 from c2kd.recmodel.prompts import PromptEncoder, collate, encode_frame
 from c2kd.recmodel.tokenizer import build_word_tokenizer
@@ -40,55 +34,7 @@ from c2kd.student.distill import (
 )
 from c2kd.training import read_log
 
-SPLITS = ("train", "validation", "test")
-
-
 # ---------------------------------------------------------------- fixtures: teacher and caches
-
-
-def write_cache(teacher: RecLM, examples, root: Path, *, positions="all", dtype="bfloat16", logits="exact") -> Path:
-    """Run the teacher over every example and write a cache with the cache_schema writer."""
-    spec = CacheSpec(
-        layers=late_layers(teacher.num_layers), hidden_size=teacher.hidden_size,
-        vocab_size=int(teacher.lm_head_weight.shape[0]), dtype=dtype, positions=positions, logits=logits,
-        examples_per_shard=64, splits=SPLITS, teacher_fingerprint="test-teacher",
-        tokenizer_fingerprint=fingerprint_tokenizer(teacher.tokenizer), data_fingerprint=examples.fingerprint,
-        teacher_description="tiny-teacher (random)", teacher_num_layers=teacher.num_layers, prompt_format="ids",
-        pad_token_id=int(teacher.tokenizer.pad_token_id),
-    )
-    writer = CacheWriter(root, spec)
-    writer.write_assets(teacher.tokenizer, teacher.lm_head_weight.detach(), teacher.item_embeddings,
-                        {"num_layers": teacher.num_layers})
-    encoder = PromptEncoder(teacher.tokenizer, "ids", examples.titles())
-    rows = {}
-    for split in SPLITS:
-        frame = examples.split(split)
-        for enc, row in zip(encode_frame(encoder, frame), frame.iter_rows(named=True), strict=True):
-            rows[enc.example_id] = (split, enc, row)
-    plan = plan_shards({s: examples.split(s)["example_id"].to_list() for s in SPLITS}, spec.examples_per_shard)
-    k = spec.logits_policy.k
-    with torch.no_grad():
-        for shard in plan.shards:
-            records = []
-            for eid in shard.example_ids:
-                split, enc, row = rows[eid]
-                ids = torch.tensor([enc.input_ids])
-                out = teacher(ids, torch.ones_like(ids), torch.tensor([enc.slot_items]), output_hidden_states=True)
-                ans = (torch.tensor(enc.labels)[1:] != -100).nonzero().flatten()
-                keep = slice(None) if positions == "all" else ans
-                logits_at = out.logits[0, ans]
-                top = logits_at.topk(k, dim=-1) if k else None
-                records.append(ExampleRecord(
-                    eid, split, row["user"], row["target"], row["history"], row["candidates"],
-                    enc.input_ids, enc.slot_items, enc.labels,
-                    {l: out.hidden_states[l][0, keep] for l in spec.layers},
-                    out.hidden_states[teacher.num_layers][0, ans],
-                    topk_values=top.values if top else None, topk_indices=top.indices if top else None,
-                    full_logits=logits_at if logits == "full" else None,
-                ))
-            writer.write_shard(shard.shard_id, records)
-    writer.seal(plan)
-    return root
 
 
 @pytest.fixture(scope="module")
@@ -97,25 +43,38 @@ def examples(tiny_examples_dir):
 
 
 @pytest.fixture(scope="module")
-def teacher(examples, tmp_path_factory):
+def teacher_dir(examples, tmp_path_factory) -> Path:
+    """A tiny-teacher (random weights: fidelity does not need a trained one), saved like train-teacher does."""
     torch.manual_seed(0)
     tokenizer = build_word_tokenizer(examples.titles()[1:], examples.num_items)
     emb = torch.randn(examples.num_items + 1, 64)
     emb[0] = 0
     model = RecLM.from_preset("tiny-teacher", tokenizer, emb, "ids", seed=3, data_fingerprint=examples.fingerprint)
-    return model.eval()
+    return model.save(tmp_path_factory.mktemp("teacher") / "teacher")
 
 
 @pytest.fixture(scope="module")
-def caches(teacher, examples, tmp_path_factory):
-    """Caches of the same teacher with several policies, written lazily."""
+def teacher(teacher_dir) -> RecLM:
+    return RecLM.load(teacher_dir).eval()
+
+
+def write_cache(teacher_dir: Path, examples, out: Path, **settings) -> Path:
+    """Stage one (`cache_teacher`) over the train split: what stage two trains from."""
+    cache_teacher(teacher_dir, examples, out, CacheTeacherSettings(splits=("train",), progress=False, device="cpu",
+                                                                   examples_per_shard=64, **settings))
+    return out
+
+
+@pytest.fixture(scope="module")
+def caches(teacher_dir, examples, tmp_path_factory):
+    """Caches of the same teacher with several policies, written on first use."""
     root = tmp_path_factory.mktemp("caches")
     made: dict = {}
 
     def get(positions="all", dtype="bfloat16", logits="exact") -> Path:
         key = (positions, dtype, logits)
         if key not in made:
-            made[key] = write_cache(teacher, examples, root / "-".join(key).replace(":", ""),
+            made[key] = write_cache(teacher_dir, examples, root / "-".join(key).replace(":", ""),
                                     positions=positions, dtype=dtype, logits=logits)
         return made[key]
 
@@ -246,14 +205,15 @@ def test_loss_terms_and_gradients_per_method(caches, recipe, terms):
 # ---------------------------------------------------------------- the recipe end to end
 
 
-def test_distill_runs_with_the_teacher_checkpoint_deleted(caches, teacher, examples, tmp_path):
+def test_distill_runs_with_the_teacher_checkpoint_deleted(teacher, examples, tmp_path):
     teacher_dir = teacher.save(tmp_path / "teacher")
-    cache = write_cache(RecLM.load(teacher_dir), examples, tmp_path / "cache", positions="all")
+    cache = write_cache(teacher_dir, examples, tmp_path / "cache", positions="all")
     shutil.rmtree(teacher_dir)  # stage two must not need it
     out = tmp_path / "student"
     result = CliRunner().invoke(app, [
         "distill", "--cache", str(cache), "--data", str(examples.root), "--out", str(out), "--student", "micro",
-        "--epochs", "2", "--batch-size", "32", "--stage1-epochs", "1", "--no-progress", "--seed", "1",
+        "--epochs", "2", "--batch-size", "32", "--max-train", "64", "--stage1-epochs", "1", "--no-progress",
+        "--seed", "1",
     ])
     assert result.exit_code == 0, result.output
     assert "test HR@1" in result.output
@@ -261,7 +221,7 @@ def test_distill_runs_with_the_teacher_checkpoint_deleted(caches, teacher, examp
         assert (out / name).is_file(), name
     assert not Path(str(out) + ".partial").exists()
     record = json.loads((out / "distill.json").read_text())
-    train_count = examples.split("train").height
+    train_count = 64
     epochs = [r for r in read_log(out, "epoch")]
     assert len(epochs) == 2
     for line in epochs:  # every train example is routed once per epoch
@@ -323,10 +283,11 @@ def test_ddp_two_ranks_each_read_their_part(caches, examples, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29613",
            "-m", "c2kd.cli", "distill", "--cache", str(cache), "--data", str(examples.root), "--out", str(out),
-           "--student", "micro", "--epochs", "1", "--batch-size", "32", "--max-val", "10", "--no-progress"]
+           "--student", "micro", "--epochs", "1", "--batch-size", "16", "--max-train", "64", "--max-val", "10",
+           "--no-progress"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     epochs = read_log(out, "epoch")
     # counts are summed over the ranks: each example was read (and routed) by exactly one rank
-    assert sum(epochs[0]["router_counts"].values()) == examples.split("train").height
+    assert sum(epochs[0]["router_counts"].values()) == 64
     assert (out / "metrics.json").is_file()

@@ -200,7 +200,7 @@ def test_sigkill_then_resume_is_bitwise_identical(tmp_path):
     finally:
         if child.poll() is None:
             child.kill()
-    assert not (out / "best" / "best.json").read_text() == ""
+    assert (out / "best" / "best.json").is_file() and not (out / "log.jsonl").read_text() == ""
     resumed, result = run(out)
     assert result.resumed_from == 8
     assert same_weights(ref, resumed)
