@@ -74,21 +74,29 @@ def train_sasrec_cmd(
     data: Path = typer.Option(..., "--data", help="Prepared examples folder (from `c2kd prepare`)."),
     out: Path = typer.Option(..., "--out", help="Run folder to create."),
     seed: int = typer.Option(0, help="Seed for initialisation, dropout and batch order."),
-    epochs: int = typer.Option(200, help="Maximum number of epochs (early stopping on validation)."),
-    batch_size: int = typer.Option(128, "--batch-size", help="Train examples per step."),
-    lr: float = typer.Option(1e-3, "--lr", help="AdamW learning rate."),
-    patience: int = typer.Option(20, help="Stop after this many epochs without a better validation NDCG@10."),
+    epochs: int | None = typer.Option(None, help="Maximum epochs (early stopping on validation). [default: 200]"),
+    batch_size: int | None = typer.Option(None, "--batch-size", help="Train examples per step. [default: 128]"),
+    lr: float | None = typer.Option(None, "--lr", help="AdamW learning rate. [default: 1e-3]"),
+    patience: int | None = typer.Option(
+        None, help="Stop after this many epochs without a better validation NDCG@10. [default: 10]"
+    ),
     all_positions: bool = typer.Option(
         True, "--all-positions/--last-position", help="Supervise every history position, or only the target."
     ),
+    threads: int | None = typer.Option(None, "--threads", help="CPU threads for torch (default: torch's choice)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing run folder."),
 ) -> None:
     """Train the SASRec baseline; it also provides the item embeddings used in LM prompts."""
+    import torch
+
     from c2kd.pipeline.sasrec import SASRecTrainConfig, train_sasrec
 
+    given = {"epochs": epochs, "batch_size": batch_size, "lr": lr, "patience": patience}
     with reporting_errors():
+        if threads is not None:
+            torch.set_num_threads(threads)
         config = SASRecTrainConfig(
-            seed=seed, epochs=epochs, batch_size=batch_size, lr=lr, patience=patience, all_positions=all_positions
+            seed=seed, all_positions=all_positions, **{k: v for k, v in given.items() if v is not None}
         )
         metrics = train_sasrec(data, out, config, overwrite=overwrite, progress=True)
     typer.echo(

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
 
-import numpy as np
-import polars as pl
-import pytest
+# The models under test are tiny: one thread each is faster than two fighting over two cores,
+# and subprocesses (torchrun tests) inherit the setting.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from c2kd.pipeline.prepare import prepare
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import polars as pl  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from c2kd.pipeline.prepare import prepare  # noqa: E402
+
+torch.set_num_threads(1)
 
 TINY_USERS = 32  # two of them are too short and get dropped: 30 users remain
 TINY_ITEMS = 60

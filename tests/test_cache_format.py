@@ -157,6 +157,8 @@ def test_batch_order_is_shard_local_deterministic_and_covers_the_split(bf16_cach
     r1 = cache.batch_order("train", 2, seed=1, epoch=0, rank=1, world_size=2)
     assert len(r0) == len(r1)
     assert set(i for b in r0 + r1 for i in b) == set(train)
+    with pytest.raises(CacheError, match="split 'test' is not cached"):
+        cache.batch_order("test", 2, seed=0, epoch=0)
 
 
 def test_pickle_and_dataloader_workers_read_the_same(bf16_cache):

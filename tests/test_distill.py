@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -24,15 +25,18 @@ from c2kd.recmodel.prompts import PromptEncoder, collate, encode_frame
 from c2kd.recmodel.tokenizer import build_word_tokenizer
 from c2kd.student.c2kd_modules import LayerFilters
 from c2kd.student.distill import (
+    CachedExamples,
     DistillModel,
     DistillRecipe,
+    ReadAhead,
     answer_index,
     batch_dict,
     build_student,
     distill,
     live_teacher_batch,
+    planned_epochs,
 )
-from c2kd.training import read_log
+from c2kd.training import TrainConfig, epoch_batches, read_log, train
 
 # ---------------------------------------------------------------- fixtures: teacher and caches
 
@@ -291,3 +295,46 @@ def test_ddp_two_ranks_each_read_their_part(caches, examples, tmp_path):
     # counts are summed over the ranks: each example was read (and routed) by exactly one rank
     assert sum(epochs[0]["router_counts"].values()) == 64
     assert (out / "metrics.json").is_file()
+
+
+# ---------------------------------------------------------------- reading ahead of the trainer
+
+
+def test_read_ahead_serves_every_trainer_call_and_finds_a_resumed_run(tmp_path):
+    ids = np.arange(100, 140)  # example ids of 40 cached examples
+    reads: list[list[int]] = []
+
+    def read(example_ids):
+        reads.append(list(example_ids))
+        return {"ids": torch.tensor(example_ids), "x": torch.tensor(example_ids, dtype=torch.float32).unsqueeze(1)}
+
+    seen: list[list[int]] = []
+    calls = {"n": 0, "crash_at": 7}
+
+    def loss(model, batch):
+        calls["n"] += 1
+        if calls["n"] == calls["crash_at"]:
+            raise RuntimeError("simulated crash")
+        seen.append(batch["ids"].tolist())
+        return {"loss": model(batch["x"] / 100).pow(2).mean()}
+
+    def run():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(1, 1)
+        config = TrainConfig(out_dir=tmp_path / "run", epochs=3, batch_size=8, grad_accum=1, checkpoint_every=2,
+                             seed=5, progress=False, log_every=1)
+        reader = ReadAhead(read, ids, config.batch_size, config.seed, planned_epochs(config, len(ids)))
+        try:
+            train(model, loss, CachedExamples(ids), reader, None, None, config)
+        finally:
+            reader.close()
+        return reader
+
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run()
+    calls["crash_at"] = -1
+    resumed = run()
+    # every batch the loss saw is the one the trainer asked for (its order, with the ids mapped)
+    expected = [[int(ids[i]) for i in b] for e in range(3) for b in epoch_batches(len(ids), 8, 5, e)]
+    assert seen == expected  # 6 steps, the crash, then steps 7..15 resumed from the step-6 checkpoint
+    assert resumed.misses == 1 and resumed.hits == 8  # only the resumed run's first call waits for its read

@@ -187,16 +187,21 @@ def test_trained_model_ranks_and_answers_right(examples, tokenizer, item_embeddi
     assert ("full_catalog/NDCG@10" in flat) == (fmt == "ids") and ("generation/ValidRatio" in flat) == (fmt == "llara")
 
 
-def test_metrics_come_from_the_scores(examples, tokenizer, item_embeddings):
-    """evaluate = candidate_metrics(rank_scores), and a reversed score order ranks the target last."""
-    model = _model(tokenizer, item_embeddings, "ids", seed=7)
+@pytest.mark.parametrize("fmt", ["ids", "llara"])
+def test_metrics_come_from_the_scores(examples, tokenizer, item_embeddings, fmt):
+    """evaluate = metrics of rank_scores / of separately generated answers, batch by batch."""
+    model = _model(tokenizer, item_embeddings, fmt, seed=7)
     frame = examples.split("validation")
-    encoder = PromptEncoder(tokenizer, "ids", examples.titles())
-    scores = rank_scores(model, encoder, encode_frame(encoder, frame, with_target=False), torch.tensor(frame["candidates"].to_list()))
+    encoder = PromptEncoder(tokenizer, fmt, examples.titles())
+    prompts = encode_frame(encoder, frame, with_target=False)
+    scores = rank_scores(model, encoder, prompts, torch.tensor(frame["candidates"].to_list()))
     expected = candidate_metrics(scores.candidates, torch.as_tensor(target_indices(frame)))
-    got = evaluate_reclm(model, examples, "validation", batch_size=5, progress=False)
+    got = evaluate_reclm(model, examples, "validation", batch_size=5, progress=False, keep_answers=True)
     assert got["candidates"] == pytest.approx(expected, abs=1e-6)
-    assert got["split"] == "validation" and got["format"] == "ids"
+    assert got["split"] == "validation" and got["format"] == fmt and got["examples"] == frame.height
+    if fmt == "llara":
+        generated = generate_answers(model, left_pad(prompts, encoder.pad_id, model.device), max_new_tokens=6)
+        assert got["answers"] == [tokenizer.decode(ids, skip_special_tokens=True) for ids in generated]
 
 
 def test_evaluate_saved_model_from_folders(examples, tokenizer, item_embeddings, tmp_path):
@@ -216,15 +221,26 @@ def test_evaluate_refuses_other_data(examples, tokenizer, item_embeddings, tmp_p
         evaluate_reclm(_model(tokenizer, item_embeddings, "ids"), examples, "dev", progress=False)
 
 
-def test_cli_evaluates_a_reclm_folder(examples, tokenizer, item_embeddings, tmp_path):
+def test_cli_evaluates_a_reclm_folder(tiny_examples_dir, tmp_path):
+    """`c2kd evaluate` on a prepared folder and a saved recommender LM (both formats' outputs)."""
     from typer.testing import CliRunner
 
     from c2kd.cli import app
 
-    _model(tokenizer, item_embeddings, "ids", seed=9).save(tmp_path / "m")
-    out = tmp_path / "metrics.json"
-    result = CliRunner().invoke(app, ["evaluate", "--model", str(tmp_path / "m"), "--data", str(examples.root), "--out", str(out)])
-    assert result.exit_code == 0, result.output
-    metrics = json.loads(out.read_text())
-    assert metrics["kind"] == "reclm" and set(metrics) >= {"candidates", "full_catalog"}
-    assert metrics["candidates"] == evaluate_reclm(tmp_path / "m", examples, "test", progress=False)["candidates"]
+    data = load_examples(tiny_examples_dir)
+    tok = build_word_tokenizer(data.titles()[1:], data.num_items)
+    emb = torch.randn(data.num_items + 1, 64, generator=torch.Generator().manual_seed(1))
+    for fmt in ("ids", "llara"):
+        RecLM.from_preset("micro", tok, emb, fmt, data_fingerprint=data.fingerprint).save(tmp_path / fmt)
+        out = tmp_path / f"{fmt}.json"
+        args = ["evaluate", "--model", str(tmp_path / fmt), "--data", str(tiny_examples_dir), "--out", str(out)]
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 0, result.output
+        metrics = json.loads(out.read_text())
+        assert metrics["kind"] == "reclm" and metrics["examples"] == data.split("test").height
+        assert ("full_catalog" in metrics) == (fmt == "ids") and ("generation" in metrics) == (fmt == "llara")
+        assert metrics["candidates"] == evaluate_reclm(tmp_path / fmt, data, "test", progress=False)["candidates"]
+    # a model trained on other data is refused with one clear line
+    RecLM.from_preset("micro", tok, emb, "ids", data_fingerprint="other").save(tmp_path / "other")
+    result = CliRunner().invoke(app, ["evaluate", "--model", str(tmp_path / "other"), "--data", str(tiny_examples_dir)])
+    assert result.exit_code == 1 and "fingerprint" in result.output

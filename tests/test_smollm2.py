@@ -60,7 +60,7 @@ def test_smollm2_loads_with_item_tokens(smollm2, examples):
 def test_smollm2_teacher_end_to_end(smollm2, examples, fmt, tmp_path):
     model = _as_format(smollm2, fmt)
     encoder = PromptEncoder(model.tokenizer, fmt, examples.titles())
-    train = encode_frame(encoder, examples.split("train").head(2))
+    train = encode_frame(encoder, examples.split("train").head(1))
     batch = collate(train, encoder.pad_id)
 
     # hybrid embeddings: the slot positions get the projected SASRec embedding
@@ -77,17 +77,18 @@ def test_smollm2_teacher_end_to_end(smollm2, examples, fmt, tmp_path):
         expected = projected if fmt == "llara" else tokens[slots] + projected
         torch.testing.assert_close(emb[slots], expected)
 
-    # two training steps lower the loss on the batch they saw
+    # two training steps lower the loss on the example they saw
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    losses = []
-    for _ in range(3):
+    first = None
+    for _ in range(2):
         loss = model(**batch).loss
-        losses.append(float(loss))
+        first = float(loss.detach()) if first is None else first
         opt.zero_grad()
         loss.backward()
         opt.step()
-    assert losses[2] < losses[0]
+    with torch.no_grad():
+        assert float(model(**batch).loss) < first
 
     # evaluate a handful of examples (ranking; generation too for llara)
     model.eval()
@@ -100,13 +101,16 @@ def test_smollm2_teacher_end_to_end(smollm2, examples, fmt, tmp_path):
         prompts = encode_frame(encoder, frame, with_target=False)
         cands = torch.tensor(frame["candidates"].to_list())[:, :3]
         got = llara_candidate_scores(model, encoder, left_pad(prompts, encoder.pad_id, model.device), cands)
+        # naive: every prompt + candidate answer as its own (right-padded) row of one batch
+        full = [
+            encoder.encode(0, history, all_cands, c)
+            for history, all_cands in zip(frame["history"].to_list(), frame["candidates"].to_list())
+            for c in all_cands[:3]
+        ]
         with torch.no_grad():
-            for row, (history, all_cands) in enumerate(zip(frame["history"].to_list(), frame["candidates"].to_list())):
-                for col, c in enumerate(all_cands[:3]):
-                    e = encoder.encode(0, history, all_cands, c)
-                    logprobs = model(**collate([e], encoder.pad_id)).logits[0].float().log_softmax(-1)
-                    naive = sum(float(logprobs[p - 1, e.input_ids[p]]) for p in range(e.prompt_length, len(e)))
-                    assert got[row, col].item() == pytest.approx(naive, abs=2e-3, rel=1e-4)
+            logprobs = model(**collate(full, encoder.pad_id)).logits.float().log_softmax(-1)
+        naive = [sum(float(logprobs[r, p - 1, e.input_ids[p]]) for p in range(e.prompt_length, len(e))) for r, e in enumerate(full)]
+        torch.testing.assert_close(got.flatten(), torch.tensor(naive), atol=2e-3, rtol=1e-4)
     else:
         assert "full_catalog" in result
 
@@ -116,5 +120,3 @@ def test_smollm2_teacher_end_to_end(smollm2, examples, fmt, tmp_path):
     with torch.no_grad():
         assert torch.equal(model(**batch).logits, again(**batch).logits)
     assert again.spec == model.spec
-    reloaded = evaluate_reclm(tmp_path / "teacher", examples, "test", limit=3, batch_size=3, progress=False)
-    assert reloaded["candidates"] == result["candidates"]

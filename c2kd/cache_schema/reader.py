@@ -324,14 +324,16 @@ class TeacherCache:
         """
         if batch_size <= 0 or world_size < 1 or not 0 <= rank < world_size:
             raise CacheError(f"batch_order: bad batch_size {batch_size} / rank {rank} / world_size {world_size}")
-        ids = self.split_ids(split)
-        frame = self.index.filter(pl.col("split") == split).select("shard", "example_id")
+        if split not in self.spec.splits:
+            self.split_ids(split)  # raises the clear error
+        in_split = (self.index["split"] == split).to_numpy()
+        ids, shards = self.index["example_id"].to_numpy()[in_split], self._col["shard"][in_split]
+        by_shard = np.argsort(shards, kind="stable")
+        ids, shards = ids[by_shard], shards[by_shard]
+        starts = np.flatnonzero(np.r_[True, shards[1:] != shards[:-1]]) if len(shards) else np.zeros(0, dtype=np.int64)
+        ends = np.r_[starts[1:], len(shards)].astype(np.int64)
         rng = np.random.default_rng([int(seed), int(epoch)])
-        shard_ids = np.unique(frame["shard"].to_numpy())
-        sequence = []
-        for shard in rng.permutation(shard_ids):
-            members = frame.filter(pl.col("shard") == shard)["example_id"].to_numpy()
-            sequence.append(rng.permutation(members))
+        sequence = [rng.permutation(ids[starts[k] : ends[k]]) for k in rng.permutation(len(starts))]
         order = np.concatenate(sequence) if sequence else ids[:0]
         batches = [order[i : i + batch_size].tolist() for i in range(0, len(order), batch_size)]
         if drop_last and batches and len(batches[-1]) < batch_size:

@@ -182,6 +182,18 @@ def _dir_bytes(loc: CacheLocation, manifest: dict) -> dict[str, int]:
     return {"shards": shards, "index": index, "assets": assets, "total": shards + index + assets}
 
 
+def _array_bytes(manifest: dict) -> dict[str, int]:
+    """Bytes on disk per array name over all shards (group metadata under "metadata")."""
+    arrays = set(manifest.get("arrays", {}))
+    out: dict[str, int] = {}
+    for shard in manifest.get("shards", []):
+        for rel, size in shard["files"]:
+            parent = rel.rsplit("/", 1)[0] if "/" in rel else ""
+            name = parent if parent in arrays else "metadata"
+            out[name] = out.get(name, 0) + int(size)
+    return dict(sorted(out.items()))
+
+
 def cache_info(path_or_url: str | os.PathLike | CacheLocation, storage_options: dict | None = None) -> dict:
     """A summary of a cache (works on an incomplete one too: `complete` is then False)."""
     loc = _location(path_or_url, storage_options)
@@ -227,6 +239,7 @@ def cache_info(path_or_url: str | os.PathLike | CacheLocation, storage_options: 
         "bytes_per_token": sizes["shards"] / tokens if tokens else None,
         "bytes_per_answer_token": sizes["shards"] / answers if answers else None,
     }
+    info["array_bytes"] = _array_bytes(manifest)
     if not info["complete"] and loc.is_local:
         journals = (loc.local_root / S.JOURNAL).glob("rank-*.jsonl")
         info["shards_written"] = sum(1 for p in journals for line in p.read_text().splitlines() if line.strip())

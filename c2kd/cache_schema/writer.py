@@ -86,7 +86,8 @@ class CacheWriter:
             self._write_manifest({"complete": False, "created_at": _now()})
         self._repair_own_journal()
         self._entries = self._read_journals()
-        self._clean_leftovers()
+        if not self.already_complete:  # a sealed cache is never touched (it may lack its journal)
+            self._clean_leftovers()
 
     # --- starting / resuming ------------------------------------------------------------------
     def _check_existing(self) -> bool:

@@ -19,8 +19,9 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -138,51 +139,76 @@ class TeacherRunner:
         return self.model.final_norm(last) if self.final_needs_norm else last
 
     @torch.inference_mode()
+    def run_batch(self, examples: Sequence[EncodedExample], indices: Sequence[int]) -> BatchOutputs:
+        """Teacher forward of one batch; what the cache keeps, cast to the cache dtype, on the CPU."""
+        policy = self.spec.logits_policy
+        out = self.forward(examples)
+        final = self._final_states(out)
+        answers = [answer_positions(torch.tensor(e.labels)) for e in examples]
+        counts = [len(a) for a in answers]
+        b_idx = torch.repeat_interleave(torch.arange(len(examples)), torch.tensor(counts, dtype=torch.long)).to(self.device)
+        p_idx = torch.cat([torch.as_tensor(a, dtype=torch.long) for a in answers]).to(self.device)
+        final_rows = final[b_idx, p_idx]  # [N_answers, d]
+        result = BatchOutputs(list(examples), list(indices), answers, counts, final_rows.to(self.dtype).cpu())
+        if policy.kind != "exact":
+            logits = self.head(final_rows).float()
+            if policy.kind == "topk":
+                top = logits.topk(policy.k, dim=-1)
+                result.topk_values, result.topk_indices = top.values.to(self.dtype).cpu(), top.indices.to(torch.int32).cpu()
+            else:
+                result.full_logits = logits.to(self.dtype).cpu()
+        for layer in self.spec.layers:
+            h = out.hidden_states[layer]
+            h = h if self.spec.positions == "all" else h[b_idx, p_idx]
+            result.hidden[layer] = h.to(self.dtype).cpu()
+        return result
+
+    def shard_outputs(self, rows: Sequence[dict]) -> list[BatchOutputs]:
+        """All teacher outputs of a shard's examples (rows in shard order), batch by batch."""
+        encoded = self.encode(rows)
+        return [self.run_batch([encoded[i] for i in batch], batch) for batch in self.batches(encoded)]
+
     def records(self, shard: PlannedShard, rows: Sequence[dict]) -> list[ExampleRecord]:
         """The cache records of a shard's examples (rows in shard order)."""
-        encoded = self.encode(rows)
-        out_records: list[ExampleRecord | None] = [None] * len(rows)
-        policy = self.spec.logits_policy
-        for batch in self.batches(encoded):
-            examples = [encoded[i] for i in batch]
-            out = self.forward(examples)
-            final = self._final_states(out)
-            answers = [answer_positions(torch.tensor(e.labels)) for e in examples]
-            b_idx = torch.cat([torch.full((len(a),), b, dtype=torch.long) for b, a in enumerate(answers)])
-            p_idx = torch.cat([torch.as_tensor(a, dtype=torch.long) for a in answers])
-            b_idx, p_idx = b_idx.to(self.device), p_idx.to(self.device)
-            final_rows = final[b_idx, p_idx]  # [N_answers, d]
-            counts = [len(a) for a in answers]
-            per_answer = {"final": final_rows.to(self.dtype).cpu().split(counts)}
-            if policy.kind != "exact":
-                logits = self.head(final_rows).float()
-                if policy.kind == "topk":
-                    top = logits.topk(policy.k, dim=-1)
-                    per_answer["topk_values"] = top.values.to(self.dtype).cpu().split(counts)
-                    per_answer["topk_indices"] = top.indices.to(torch.int32).cpu().split(counts)
-                else:
-                    per_answer["full"] = logits.to(self.dtype).cpu().split(counts)
-            hidden: dict[int, list[torch.Tensor]] = {}
-            for layer in self.spec.layers:
-                h = out.hidden_states[layer]
-                if self.spec.positions == "all":
-                    h = h.to(self.dtype).cpu()
-                    hidden[layer] = [h[b, : len(e)] for b, e in enumerate(examples)]
-                else:
-                    hidden[layer] = list(h[b_idx, p_idx].to(self.dtype).cpu().split(counts))
-            for b, i in enumerate(batch):
-                e, r = examples[b], rows[i]
-                out_records[i] = ExampleRecord(
-                    example_id=e.example_id, split=shard.split, user=int(r["user"]), target=int(r["target"]),
-                    history=r["history"], candidates=r["candidates"],
-                    input_ids=torch.tensor(e.input_ids), slot_items=torch.tensor(e.slot_items),
-                    labels=torch.tensor(e.labels), hidden={layer: hidden[layer][b] for layer in self.spec.layers},
-                    final_hidden=per_answer["final"][b],
-                    topk_values=per_answer["topk_values"][b] if "topk_values" in per_answer else None,
-                    topk_indices=per_answer["topk_indices"][b] if "topk_indices" in per_answer else None,
-                    full_logits=per_answer["full"][b] if "full" in per_answer else None,
-                )
-        return out_records  # type: ignore[return-value]
+        return to_records(self.shard_outputs(rows), shard.split, rows, self.spec.positions)
+
+
+@dataclass
+class BatchOutputs:
+    """One batch's teacher outputs on the CPU: per-token [B, T, d] or per-answer [N, d] hidden
+    states, per-answer final states / logits ([N, ...], `counts` answers per example)."""
+
+    examples: list[EncodedExample]
+    indices: list[int]  # positions of the examples in their shard
+    answers: list
+    counts: list[int]
+    final: torch.Tensor
+    hidden: dict = field(default_factory=dict)
+    topk_values: torch.Tensor | None = None
+    topk_indices: torch.Tensor | None = None
+    full_logits: torch.Tensor | None = None
+
+
+def to_records(outputs: Sequence[BatchOutputs], split: str, rows: Sequence[dict], positions: str) -> list[ExampleRecord]:
+    """Per-example cache records (in shard order) from batch outputs; runs on the writer thread."""
+    records: list[ExampleRecord | None] = [None] * len(rows)
+    for o in outputs:
+        split_rows = lambda x: x.split(o.counts) if x is not None else [None] * len(o.examples)  # noqa: E731
+        final, values, idx, full = (split_rows(x) for x in (o.final, o.topk_values, o.topk_indices, o.full_logits))
+        if positions == "all":
+            hidden = {layer: [h[b, : len(e)] for b, e in enumerate(o.examples)] for layer, h in o.hidden.items()}
+        else:
+            hidden = {layer: h.split(o.counts) for layer, h in o.hidden.items()}
+        for b, (e, i) in enumerate(zip(o.examples, o.indices)):
+            r = rows[i]
+            records[i] = ExampleRecord(
+                example_id=e.example_id, split=split, user=int(r["user"]), target=int(r["target"]),
+                history=r["history"], candidates=r["candidates"],
+                input_ids=torch.tensor(e.input_ids), slot_items=torch.tensor(e.slot_items), labels=torch.tensor(e.labels),
+                hidden={layer: hs[b] for layer, hs in hidden.items()}, final_hidden=final[b],
+                topk_values=values[b], topk_indices=idx[b], full_logits=full[b], _answers=o.answers[b],
+            )
+    return records  # type: ignore[return-value]
 
 
 # ---------------------------------------------------------------- the disk side
@@ -208,20 +234,21 @@ class ShardWriterThread:
                 return
             if self.error is not None:
                 continue  # drain after a failure; the error is raised in the main thread
-            shard_id, records = item
+            shard_id, make_records = item
             try:
                 start = time.perf_counter()
-                entry = self.writer.write_shard(shard_id, records)
+                entry = self.writer.write_shard(shard_id, make_records())
                 self.write_seconds += time.perf_counter() - start
                 self.bytes_written += entry["bytes"]
                 self.shards_written += 1
             except BaseException as e:  # noqa: BLE001 - handed to the main thread, which re-raises it
                 self.error = e
 
-    def put(self, shard_id: int, records: list[ExampleRecord]) -> None:
+    def put(self, shard_id: int, make_records: Callable[[], list[ExampleRecord]]) -> None:
+        """Queue a shard; `make_records()` is called on the writer thread (per-example slicing)."""
         if self.error is not None:
             raise self.error
-        self.queue.put((shard_id, records))
+        self.queue.put((shard_id, make_records))
 
     def close(self) -> None:
         self.queue.put(None)
@@ -273,7 +300,7 @@ def teacher_config(model: RecLM) -> dict:
     }
 
 
-def _rows_by_id(examples: ExampleSet, splits: Sequence[str]) -> dict[int, dict]:
+def rows_by_id(examples: ExampleSet, splits: Sequence[str]) -> dict[int, dict]:
     rows = {}
     for split in splits:
         for r in examples.split(split).select("example_id", "user", "history", "target", "candidates").iter_rows(named=True):
@@ -327,7 +354,7 @@ def cache_teacher(
             return {**summary, "complete": True, "shards_written": 0, "examples": 0, "seconds": time.perf_counter() - wall}
         if rank == 0:
             writer.write_assets(model.tokenizer, model.lm_head_weight.detach(), model.item_embeddings, teacher_config(model))
-        stats = write_shards(model, encoder, spec, plan, writer, _rows_by_id(examples, settings.splits), device, settings, rank, world_size)
+        stats = write_shards(model, encoder, spec, plan, writer, rows_by_id(examples, settings.splits), device, settings, rank, world_size)
         if world_size > 1:
             dist.barrier()
         if rank == 0:
@@ -362,13 +389,14 @@ def write_shards(
     try:
         with progress:
             for shard in todo:
-                records = runner.records(shard, [rows[i] for i in shard.example_ids])
-                background.put(shard.shard_id, records)
-                n_examples += len(records)
-                n_tokens += sum(r.num_tokens for r in records)
+                shard_rows = [rows[i] for i in shard.example_ids]
+                outputs = runner.shard_outputs(shard_rows)
+                background.put(shard.shard_id, partial(to_records, outputs, shard.split, shard_rows, spec.positions))
+                n_examples += len(shard_rows)
+                n_tokens += sum(len(e) for o in outputs for e in o.examples)
                 elapsed = max(time.perf_counter() - start, 1e-9)
                 rate = f"{n_examples / elapsed:,.1f} ex/s · {background.bytes_written / elapsed / 1e6:,.2f} MB/s written"
-                progress.update(task, advance=len(records), rate=rate)
+                progress.update(task, advance=len(shard_rows), rate=rate)
     finally:
         background.close()  # waits for the queued shards; re-raises a writer failure
     return {

@@ -50,9 +50,9 @@ class LayerFilters(nn.Module):
         """sum_l CE(head(norm(g_l(H_t^l)))) over the candidate layers (mean over answer positions)."""
         return torch.stack(list(self.layer_losses(teacher_hidden_by_layer, labels_at_answer).values())).sum()
 
-    def forward(self, teacher_hidden_by_layer: Mapping[int, Tensor], labels_at_answer: Tensor) -> Tensor:
-        # Stage 1 trains through forward() so that a DDP wrapper sees the call.
-        return self.stage1_loss(teacher_hidden_by_layer, labels_at_answer)
+    def forward(self, teacher_hidden_by_layer: Mapping[int, Tensor], labels_at_answer: Tensor) -> dict[int, Tensor]:
+        # Stage 1 trains through forward() (so that a DDP wrapper sees the call): the per-layer CEs.
+        return self.layer_losses(teacher_hidden_by_layer, labels_at_answer)
 
     def _check_layers(self, hidden: Mapping[int, Tensor]) -> None:
         missing = [l for l in self.teacher_layers if l not in hidden]

@@ -37,7 +37,8 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -61,7 +62,7 @@ from c2kd.student.c2kd_modules import (
     uniform_layer_map,
 )
 from c2kd.student.losses import cross_head_kd_loss, feature_loss, logit_kd_loss, orth_loss
-from c2kd.training import TrainConfig, TrainResult, distributed_info, read_log, train
+from c2kd.training import TrainConfig, TrainResult, distributed_info, epoch_batches, read_log, train
 
 DISTILL_KIND = "c2kd-distill"
 DISTILL_VERSION = 1
@@ -327,7 +328,8 @@ def _distill_loss(net: nn.Module, batch: dict) -> dict[str, Tensor]:
 
 
 def _stage1_loss(net: nn.Module, batch: dict) -> dict[str, Tensor]:
-    return {"loss": net(batch["hidden"], batch["targets"])}
+    per_layer = net(batch["hidden"], batch["targets"])  # {layer: CE of head(norm(g_l(H_t^l)))}
+    return {"loss": torch.stack(list(per_layer.values())).sum(), **{f"ce_layer_{l}": v for l, v in per_layer.items()}}
 
 
 # ---------------------------------------------------------------- building the pieces
@@ -375,6 +377,92 @@ def stage2_collate(cache: TeacherCache, recipe: DistillRecipe, layers: Sequence[
         return batch_dict(cache.get(example_ids, layers=layers, final_hidden=kd, logits=kd))
 
     return collate
+
+
+class ReadAhead:
+    """Reads the cache for the next micro-batches in a background thread while the student trains.
+
+    The trainer's order is known in advance: micro-batch k of epoch e is
+    `epoch_batches(n, batch_size, seed, e, world)[k]`, of which this rank takes every world-th
+    example. A call whose ids are the predicted ones gets the batch read ahead; any other call is
+    read on the spot, so a wrong prediction costs speed, never correctness. A resumed run is
+    found on its first call (the epochs of the run are searched once). All reads go through the
+    one background thread, so the cache is never read concurrently.
+    """
+
+    def __init__(self, read: Callable[[list[int]], dict], example_ids: np.ndarray, batch_size: int, seed: int,
+                 epochs: int, depth: int = 3):
+        self.read, self.example_ids, self.batch_size, self.seed = read, example_ids, batch_size, seed
+        self.epochs, self.depth = max(1, epochs), depth
+        self.rank, self.world = distributed_info()[:2]
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="c2kd-read-ahead")
+        self.pending: dict[tuple[int, int], Future] = {}
+        self.orders: dict[int, list[tuple[int, ...]]] = {}
+        self.searched = False
+        self.hits = self.misses = 0
+
+    def _order(self, epoch: int) -> list[tuple[int, ...]]:
+        if epoch not in self.orders:
+            batches = epoch_batches(len(self.example_ids), self.batch_size, self.seed, epoch, self.world)
+            self.orders[epoch] = [tuple(int(i) for i in self.example_ids[b[self.rank :: self.world]]) for b in batches]
+        return self.orders[epoch]
+
+    def _locate(self, ids: tuple[int, ...]) -> tuple[int, int] | None:
+        for epoch, k in self.pending:  # the usual case: a call we read ahead for
+            if self._order(epoch)[k] == ids:
+                return epoch, k
+        if self.searched:
+            return None
+        self.searched = True  # once: the first call, or the first surprise
+        for epoch in range(self.epochs):
+            order = self._order(epoch)
+            if ids in order:
+                return epoch, order.index(ids)
+            del self.orders[epoch]
+        return None
+
+    def _schedule_after(self, epoch: int, k: int) -> None:
+        for _ in range(self.depth):
+            k += 1
+            if k >= len(self._order(epoch)):
+                epoch, k = epoch + 1, 0
+            if epoch >= self.epochs:
+                return
+            if (epoch, k) not in self.pending:
+                self.pending[(epoch, k)] = self.pool.submit(self.read, list(self._order(epoch)[k]))
+
+    def __call__(self, example_ids: list[int]) -> dict:
+        ids = tuple(int(i) for i in example_ids)
+        where = self._locate(ids)
+        future = self.pending.pop(where, None) if where is not None else None
+        for key in [key for key in self.pending if where is None or key < where]:
+            self.pending.pop(key).cancel()  # read ahead for calls that will not come
+        if where is not None:
+            self.orders = {e: v for e, v in self.orders.items() if e >= where[0]}
+        if future is None:
+            self.misses += 1
+            future = self.pool.submit(self.read, list(ids))
+        else:
+            self.hits += 1
+        if where is not None:
+            self._schedule_after(*where)
+        return future.result()
+
+    def close(self) -> None:
+        for future in self.pending.values():
+            future.cancel()
+        self.pending.clear()
+        self.pool.shutdown(wait=True)
+
+
+def planned_epochs(config: TrainConfig, num_examples: int) -> int:
+    """How many epochs (some maybe partial) a trainer run with this config goes through."""
+    world = distributed_info()[1]
+    if not config.max_steps:
+        return config.epochs
+    micro = len(epoch_batches(num_examples, config.batch_size, config.seed, 0, world))
+    steps_per_epoch = max(1, -(-micro // config.grad_accum))
+    return -(-config.max_steps // steps_per_epoch)
 
 
 def _train_subset(ids: np.ndarray, max_train: int | None) -> np.ndarray:
@@ -460,8 +548,12 @@ def distill(
                 epochs=recipe.stage1_epochs, batch_size=config.batch_size, seed=config.seed, device=config.device,
                 checkpoint_every=config.checkpoint_every, log_every=config.log_every, progress=config.progress,
             )
-            stage1_result = train(filters, _stage1_loss, train_data, stage1_collate(teacher_cache, spec.layers),
-                                  None, None, stage1_config)
+            reader = ReadAhead(stage1_collate(teacher_cache, spec.layers), train_ids, stage1_config.batch_size,
+                               stage1_config.seed, planned_epochs(stage1_config, len(train_ids)))
+            try:
+                stage1_result = train(filters, _stage1_loss, train_data, reader, None, None, stage1_config)
+            finally:
+                reader.close()
 
     # Stage 2.
     model = DistillModel(student, recipe, spec, teacher_cache.head_weight(), filters, layer_map)
@@ -471,11 +563,16 @@ def distill(
 
     evaluator = RecLMEvaluator(examples, "validation", limit=recipe.max_val, batch_size=recipe.eval_batch_size,
                                generation=False, full_catalog=False, progress=False)
-    result: TrainResult = train(
-        model, _distill_loss, train_data, stage2_collate(teacher_cache, recipe, layers),
-        lambda m: evaluator(m.student), recipe.select_metric, config,
-        trainable_parameters=model.trainable_parameters(), on_epoch_end=_on_epoch_end_router(model),
-    )
+    reader = ReadAhead(stage2_collate(teacher_cache, recipe, layers), train_ids, config.batch_size, config.seed,
+                       planned_epochs(config, len(train_ids)))
+    try:
+        result: TrainResult = train(
+            model, _distill_loss, train_data, reader, lambda m: evaluator(m.student), recipe.select_metric, config,
+            trainable_parameters=model.trainable_parameters(), on_epoch_end=_on_epoch_end_router(model),
+        )
+    finally:
+        reader.close()
+    read_ahead = {"hits": reader.hits, "misses": reader.misses}
     record = {
         "kind": DISTILL_KIND, "version": DISTILL_VERSION, "recipe": asdict(recipe),
         "cache": {"path": str(cache), "layers": list(spec.layers), "positions": spec.positions,
@@ -492,6 +589,7 @@ def distill(
         "validation": {"select_metric": recipe.select_metric, "best_step": result.best_step,
                        "best": result.best_metrics},
         "final_step": result.final_step,
+        "read_ahead": read_ahead,
         "timings": {"stage1_s": round(stage1_result.total_train_s, 3) if stage1_result else 0.0,
                     "train_s": round(result.total_train_s, 3), "resumed_from_step": result.resumed_from},
     }
@@ -571,7 +669,8 @@ def plot_run(run_dir: Path, record: dict) -> Path:
             share = np.array([r["router_counts"][layer] / max(1, sum(r["router_counts"].values())) for r in counted])
             ax.bar([r["epoch"] + 1 for r in counted], share, bottom=bottom, label=f"layer {layer}")
             bottom += share
-        ax.set(title="router: teacher layer chosen (share of examples)", xlabel="epoch", ylim=(0, 1))
+        ax.set(title="router: teacher layer chosen (share of examples)", xlabel="epoch", ylim=(0, 1),
+               xticks=[r["epoch"] + 1 for r in counted])
         ax.legend()
     else:
         ax.text(0.5, 0.5, f"no router (method {record['recipe']['method']})", ha="center", va="center")

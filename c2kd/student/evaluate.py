@@ -13,6 +13,7 @@ last prompt token and continuations line up after it.
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Sequence
 from contextlib import contextmanager
@@ -58,7 +59,19 @@ def left_pad(prompts: Sequence[EncodedExample], pad_id: int, device: torch.devic
     return PromptBatch(*(t.to(device) for t in (input_ids, attention_mask, slot_items, position_ids, lengths)))
 
 
-def _prompt_pass(model: RecLM, prompts: PromptBatch, use_cache: bool):
+@dataclass
+class PromptState:
+    """The result of running a batch of prompts once: next-token logits and the KV cache."""
+
+    last_logits: torch.Tensor  # [B, V] float32, at every row's last prompt token
+    cache: object | None  # a transformers Cache, consumed (extended) by whoever uses it
+
+    def copy(self) -> PromptState:
+        return PromptState(self.last_logits, copy.deepcopy(self.cache))
+
+
+@torch.no_grad()
+def run_prompts(model: RecLM, prompts: PromptBatch, use_cache: bool = True) -> PromptState:
     out = model(
         input_ids=prompts.input_ids,
         attention_mask=prompts.attention_mask,
@@ -67,7 +80,7 @@ def _prompt_pass(model: RecLM, prompts: PromptBatch, use_cache: bool):
         use_cache=use_cache,
         logits_to_keep=1,
     )
-    return out.logits[:, -1].float(), out.cache if use_cache else None
+    return PromptState(out.logits[:, -1].float(), out.cache if use_cache else None)
 
 
 def _token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -78,7 +91,7 @@ def _token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def ids_scores(model: RecLM, prompts: PromptBatch) -> torch.Tensor:
     """`ids` format: logit of every item token at the answer position, [B, N+1] (column 0 = -inf)."""
-    last, _ = _prompt_pass(model, prompts, use_cache=False)
+    last = run_prompts(model, prompts, use_cache=False).last_logits
     scores = last[:, model.item_token_ids]
     scores[:, 0] = float("-inf")
     return scores
@@ -86,11 +99,18 @@ def ids_scores(model: RecLM, prompts: PromptBatch) -> torch.Tensor:
 
 @torch.no_grad()
 def llara_candidate_scores(
-    model: RecLM, encoder: PromptEncoder, prompts: PromptBatch, candidates: torch.Tensor
+    model: RecLM,
+    encoder: PromptEncoder,
+    prompts: PromptBatch,
+    candidates: torch.Tensor,
+    state: PromptState | None = None,
 ) -> torch.Tensor:
-    """`llara` format: sum of log-probs of each candidate's answer tokens given the prompt, [B, C]."""
+    """`llara` format: sum of log-probs of each candidate's answer tokens given the prompt, [B, C].
+
+    The prompt runs once (or `state` is reused; its cache is consumed); its KV cache is repeated
+    C times and all B*C continuations run in one right-padded batch."""
     batch, num_cands = candidates.shape
-    last, cache = _prompt_pass(model, prompts, use_cache=True)
+    state = state if state is not None else run_prompts(model, prompts)
     answers = [encoder.answer_ids(int(c)) for c in candidates.flatten().tolist()]
     width = max(len(a) for a in answers)
     device = prompts.input_ids.device
@@ -100,28 +120,34 @@ def llara_candidate_scores(
         tokens[row, : len(a)] = torch.tensor(a)
         mask[row, : len(a)] = 1
     tokens, mask = tokens.to(device), mask.to(device)
+    cache = state.cache
     cache.batch_repeat_interleave(num_cands)
-    attention = torch.cat([prompts.attention_mask.repeat_interleave(num_cands, 0), mask], dim=1)
-    positions = prompts.lengths.repeat_interleave(num_cands).unsqueeze(1) + torch.arange(width, device=device)
+    # Token j is predicted by the prompt's last position (j = 0) or by token j-1, so the last
+    # answer token never needs to be fed.
+    fed = tokens[:, :-1]
+    attention = torch.cat([prompts.attention_mask.repeat_interleave(num_cands, 0), mask[:, :-1]], dim=1)
+    positions = prompts.lengths.repeat_interleave(num_cands).unsqueeze(1) + torch.arange(width - 1, device=device)
     out = model(
-        input_ids=tokens, attention_mask=attention, slot_items=torch.zeros_like(tokens),
+        input_ids=fed, attention_mask=attention, slot_items=torch.zeros_like(fed),
         position_ids=positions, cache=cache, use_cache=True,
     )
-    # token j of a continuation is predicted by the prompt's last position (j = 0) or by token j-1
-    logits = torch.cat([last.repeat_interleave(num_cands, 0).unsqueeze(1), out.logits[:, :-1].float()], dim=1)
+    logits = torch.cat([state.last_logits.repeat_interleave(num_cands, 0).unsqueeze(1), out.logits.float()], dim=1)
     logprobs = _token_logprobs(logits, tokens) * mask
     return logprobs.sum(1).view(batch, num_cands)
 
 
 @torch.no_grad()
-def generate_answers(model: RecLM, prompts: PromptBatch, max_new_tokens: int) -> list[list[int]]:
-    """Greedy decoding until eos (or `max_new_tokens`); the generated ids per row, eos excluded."""
+def generate_answers(
+    model: RecLM, prompts: PromptBatch, max_new_tokens: int, state: PromptState | None = None
+) -> list[list[int]]:
+    """Greedy decoding until eos (or `max_new_tokens`); the generated ids per row, eos excluded.
+    `state` (from `run_prompts`, consumed) saves running the prompts again."""
     eos = model.tokenizer.eos_token_id
-    last, cache = _prompt_pass(model, prompts, use_cache=True)
-    attention, positions = prompts.attention_mask, prompts.lengths.clone()
-    finished = torch.zeros(len(last), dtype=torch.bool, device=last.device)
+    state = state if state is not None else run_prompts(model, prompts)
+    cache, attention, positions = state.cache, prompts.attention_mask, prompts.lengths.clone()
+    finished = torch.zeros(len(state.last_logits), dtype=torch.bool, device=state.last_logits.device)
     steps: list[torch.Tensor] = []
-    next_token = last.argmax(-1)
+    next_token = state.last_logits.argmax(-1)
     for step in range(max_new_tokens):
         next_token = torch.where(finished, torch.full_like(next_token, eos), next_token)
         steps.append(next_token)
@@ -220,19 +246,25 @@ class RecLMEvaluator:
         fmt = model.spec.format
         generate = self.generation and fmt == "llara"
         cand_scores, full_scores, answers = [], [], []
-        max_new = self.max_new_tokens or max(len(encoder.answer_ids(i)) for i in range(1, encoder.num_items + 1)) + 1
+        max_new = self.max_new_tokens or max(len(encoder.answer_ids(i)) for i in range(1, encoder.num_items + 1)) + 2
         with _eval_mode(model), torch.no_grad(), _progress(self.progress) as bar:
             task = bar.add_task(f"evaluate {fmt} on {self.split}", total=len(prompts))
             for start in range(0, len(prompts), self.batch_size):
                 chunk = prompts[start : start + self.batch_size]
-                scores = rank_scores(model, encoder, chunk, self.candidates[start : start + len(chunk)])
-                cand_scores.append(scores.candidates)
-                if scores.full_catalog is not None and self.full_catalog:
-                    full_scores.append(scores.full_catalog)
-                if generate:
+                candidates = self.candidates[start : start + len(chunk)]
+                if fmt == "ids":
+                    scores = rank_scores(model, encoder, chunk, candidates)
+                    cand_scores.append(scores.candidates)
+                    if self.full_catalog:
+                        full_scores.append(scores.full_catalog)
+                else:
+                    # one prompt pass serves both the ranking and the generation
                     batch = left_pad(chunk, encoder.pad_id, model.device)
-                    for ids in generate_answers(model, batch, max_new):
-                        answers.append(first_line(model.tokenizer.decode(ids, skip_special_tokens=True)))
+                    state = run_prompts(model, batch)
+                    if generate:
+                        for ids in generate_answers(model, batch, max_new, state.copy()):
+                            answers.append(first_line(model.tokenizer.decode(ids, skip_special_tokens=True)))
+                    cand_scores.append(llara_candidate_scores(model, encoder, batch, candidates.to(model.device), state).cpu())
                 bar.advance(task, len(chunk))
         result: dict = {
             "kind": "reclm",
