@@ -12,8 +12,9 @@ The variants take turns step by step (so load changes on a shared machine hit al
 the ratios are of median step times:  c2kd-cache / sft-cache  and  c2kd-live / c2kd-cache.
 
 Peak memory: each variant runs again alone in a fresh process; on a GPU, the peak of
-torch.cuda.max_memory_allocated; on CPU, the growth of the peak RSS from just before the variant
-is set up (so the live variant's teacher weights count, and the libraries do not).
+torch.cuda.max_memory_allocated; on CPU, how far the resident memory (sampled every ms) rises
+above what the process held just before the variant was set up (so the live variant's teacher
+weights count, the libraries do not).
 The teacher is a `tiny-teacher` with random weights unless --teacher gives a trained one (speed
 does not depend on the weights); the cache holds the train split, bfloat16, exact logits.
 """
@@ -22,21 +23,26 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import torch
+from transformers import AutoModelForCausalLM
 
 from c2kd.cache_schema.reader import TeacherCache
 from c2kd.pipeline.cache_teacher import CacheTeacherSettings, cache_teacher
 from c2kd.pipeline.examples import load_examples
 from c2kd.recmodel.model import RecLM
+from c2kd.recmodel.presets import ModelPreset
 from c2kd.recmodel.prompts import PromptEncoder, collate, encode_frame
 from c2kd.recmodel.tokenizer import build_word_tokenizer
 from c2kd.student.c2kd_modules import LayerFilters
@@ -58,7 +64,15 @@ def prepare_inputs(args, work: Path) -> tuple[Path, Path, Path]:
     if teacher is None:
         tokenizer = build_word_tokenizer(examples.titles()[1:], examples.num_items)
         emb = torch.randn(examples.num_items + 1, 64, generator=torch.Generator().manual_seed(0))
-        model = RecLM.from_preset("tiny-teacher", tokenizer, emb, "ids", seed=0, data_fingerprint=examples.fingerprint)
+        if args.teacher_shape:
+            hidden, layers, heads, inter = (int(x) for x in args.teacher_shape.split(","))
+            shape = ModelPreset("bench-teacher", hidden, layers, heads, inter)
+            torch.manual_seed(0)
+            lm = AutoModelForCausalLM.from_config(shape.llama_config(
+                len(tokenizer), tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id))
+            model = RecLM(lm, tokenizer, emb, "ids", examples.fingerprint, base=f"random llama {args.teacher_shape}")
+        else:
+            model = RecLM.from_preset("tiny-teacher", tokenizer, emb, "ids", seed=0, data_fingerprint=examples.fingerprint)
         teacher = model.save(work / "teacher")
     cache = args.cache
     if cache is None:
@@ -78,7 +92,8 @@ class Bench:
         self.examples = load_examples(data)
         ids = self.cache.split_ids("train")
         rng = np.random.default_rng(0)
-        self.batches = [rng.choice(ids, args.batch_size, replace=False).tolist() for _ in range(args.steps + args.warmup)]
+        self.batches = [rng.choice(ids, args.batch_size, replace=False).tolist() for _ in range(args.steps + args.block)]
+        self.pool = ThreadPoolExecutor(max_workers=1)
         head = self.cache.head_weight()
         self.models, self.optims = {}, {}
         for name in variants:
@@ -97,29 +112,70 @@ class Bench:
             self.encoded = {e.example_id: e for e in encode_frame(encoder, self.examples.split("train"))}
             self.pad_id = encoder.pad_id
 
-    def batch(self, name: str, ids: list[int]) -> dict:
+    def _read(self, name: str, ids: list[int]) -> dict:
         spec = self.cache.spec
         if name == "c2kd-cache":
-            b = batch_dict(self.cache.get(ids))
-        elif name == "sft-cache":
-            b = batch_dict(self.cache.get(ids, layers=[], final_hidden=False, logits=False))
-        else:
-            tokens = collate([self.encoded[i] for i in ids], self.pad_id)
-            tokens = {k: v.to(self.device) for k, v in tokens.items()}
-            return live_teacher_batch(self.teacher, tokens, spec.layers, spec.positions)
+            return batch_dict(self.cache.get(ids))
+        return batch_dict(self.cache.get(ids, layers=[], final_hidden=False, logits=False))
+
+    def _to_device(self, b: dict) -> dict:
         return {k: ({l: t.to(self.device) for l, t in v.items()} if isinstance(v, dict) else v.to(self.device))
                 for k, v in b.items()}
 
-    def step(self, name: str, ids: list[int]) -> float:
+    def block(self, name: str, batches: list[list[int]], read_ahead: bool) -> list[float]:
+        """Train steps of one variant on consecutive batches; the time of each step (its read, or its
+        teacher forward, included). With read_ahead the cache is read one batch ahead in a
+        background thread, as `c2kd distill` does; the live teacher always runs in the step."""
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
-        sync()
-        start = time.perf_counter()
-        terms = self.models[name](self.batch(name, ids))
-        terms["loss"].backward()
-        self.optims[name].step()
-        self.optims[name].zero_grad(set_to_none=True)
-        sync()
-        return time.perf_counter() - start
+        live = name == "c2kd-live"
+        ahead = read_ahead and not live
+        futures = [self.pool.submit(self._read, name, batches[0])] if ahead else []
+        times = []
+        for k, ids in enumerate(batches):
+            sync()
+            start = time.perf_counter()
+            if live:
+                tokens = self._to_device(collate([self.encoded[i] for i in ids], self.pad_id))
+                batch = live_teacher_batch(self.teacher, tokens, self.cache.spec.layers, self.cache.spec.positions)
+            else:
+                raw = futures[k].result() if ahead else self._read(name, ids)
+                if ahead and k + 1 < len(batches):
+                    futures.append(self.pool.submit(self._read, name, batches[k + 1]))
+                batch = self._to_device(raw)
+            terms = self.models[name](batch)
+            terms["loss"].backward()
+            self.optims[name].step()
+            self.optims[name].zero_grad(set_to_none=True)
+            sync()
+            times.append(time.perf_counter() - start)
+        return times
+
+
+class RssSampler:
+    """Peak resident memory of this process, sampled from /proc every millisecond (Linux)."""
+
+    def __init__(self):
+        self.page = os.sysconf("SC_PAGE_SIZE")
+        self.peak = self.now()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def now(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self.page
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.001):
+            self.peak = max(self.peak, self.now())
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.now())
 
 
 def peak_memory(args, data: Path, teacher: Path, cache: Path, variant: str) -> dict:
@@ -128,12 +184,13 @@ def peak_memory(args, data: Path, teacher: Path, cache: Path, variant: str) -> d
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MiB (Linux reports KiB)
-    bench = Bench(args, data, teacher, cache, variants=(variant,))
-    for ids in bench.batches:
-        bench.step(variant, ids)
-    out = {"variant": variant, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
-    out["rss_growth_mib"] = out["peak_rss_mib"] - rss_before
+    with RssSampler() as rss:
+        before = rss.now()
+        bench = Bench(args, data, teacher, cache, variants=(variant,))
+        bench.block(variant, bench.batches, read_ahead=not args.no_read_ahead)
+    out = {"variant": variant, "rss_before_mib": before / 2**20, "peak_rss_growth_mib": (rss.peak - before) / 2**20}
+    if bench.teacher is not None:
+        out["teacher_weights_mib"] = sum(p.numel() * p.element_size() for p in bench.teacher.parameters()) / 2**20
     if device.type == "cuda":
         out["cuda_peak_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
     return out
@@ -143,12 +200,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=Path, help="prepared folder; default: ML-100k (cap 5) in a temp folder")
     parser.add_argument("--teacher", type=Path, help="teacher model folder; default: tiny-teacher, random weights")
+    parser.add_argument("--teacher-shape", help="instead: a random Llama teacher HIDDEN,LAYERS,HEADS,INTERMEDIATE "
+                        "(e.g. 576,30,9,1536 = SmolLM2-135M's shape)")
     parser.add_argument("--cache", type=Path, help="cache of that teacher; default: written in a temp folder")
     parser.add_argument("--student", default="tiny-student")
     parser.add_argument("--positions", default="all", choices=["all", "answer"])
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--steps", type=int, default=20, help="timed steps per variant")
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--block", type=int, default=5, help="consecutive steps of one variant before the next")
+    parser.add_argument("--no-read-ahead", action="store_true", help="read the cache inside the step (no background thread)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", type=Path, help="also write the results here")
@@ -163,17 +223,19 @@ def main() -> None:
             return
         bench = Bench(args, data, teacher, cache)
         times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-        for k, ids in enumerate(bench.batches):
+        # Blocks of consecutive steps, the variants taking turns; the first block of each is warm-up
+        # and the first step of every block (its read not ahead yet) is left out.
+        for start in range(0, len(bench.batches), args.block):
             for name in VARIANTS:
-                t = bench.step(name, ids)
-                if k >= args.warmup:
-                    times[name].append(t)
+                block = bench.block(name, bench.batches[start : start + args.block], not args.no_read_ahead)
+                if start > 0:
+                    times[name] += block[1:]
         median = {v: statistics.median(ts) for v, ts in times.items()}
         memory = []
         for variant in VARIANTS:
             cmd = [sys.executable, __file__, "--data", str(data), "--teacher", str(teacher), "--cache", str(cache),
                    "--student", args.student, "--positions", args.positions, "--batch-size", str(args.batch_size),
-                   "--steps", str(min(args.steps, 5)), "--warmup", "1", "--threads", str(args.threads),
+                   "--steps", str(min(args.steps, 5)), "--block", "1", "--threads", str(args.threads),
                    "--device", args.device, "--memory-of", variant]
             proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
             memory.append(json.loads(proc.stdout.strip().splitlines()[-1]))
@@ -184,7 +246,7 @@ def main() -> None:
                       "student_non_embedding_parameters": bench.models["sft-cache"].student.non_embedding_parameters(),
                       "cached_layers": list(spec.layers), "positions": spec.positions, "dtype": spec.dtype,
                       "batch_size": args.batch_size, "steps": args.steps, "device": args.device,
-                      "threads": args.threads},
+                      "threads": args.threads, "read_ahead": not args.no_read_ahead},
             "median_step_s": median,
             "ratios": {"c2kd_cache_over_sft": median["c2kd-cache"] / median["sft-cache"],
                        "live_teacher_kd_over_c2kd_cache": median["c2kd-live"] / median["c2kd-cache"]},

@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from c2kd.cache_schema import CacheExpectation, CacheWriter, TeacherCache, cache_info, plan_shards, verify_cache
-from c2kd.cache_schema.synthetic import synthetic_examples, synthetic_spec, write_synthetic_cache
+from c2kd.cache_schema.synthetic import synthetic_examples, synthetic_record, synthetic_spec, write_synthetic_cache
 from c2kd.cli import app
 from c2kd.errors import CacheError
 
@@ -145,4 +145,19 @@ def test_writer_refuses_foreign_folders_and_other_settings(sealed, tmp_path):
         CacheWriter(tmp_path, synthetic_spec())
     with pytest.raises(CacheError, match="made with other settings"):
         CacheWriter(sealed[0], synthetic_spec(examples_per_shard=4, compression="zstd"))
-    assert CacheWriter(sealed[0], sealed[1]).already_complete
+    done = CacheWriter(sealed[0], sealed[1])
+    assert done.already_complete
+    with pytest.raises(CacheError, match="sealed"):
+        done.write_shard(0, [synthetic_record(0, "train", sealed[1])])
+    manifest = json.loads((sealed[0] / "manifest.json").read_text())
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "manifest.json").write_text(json.dumps({**manifest, "complete": False, "schema_version": 0}))
+    with pytest.raises(CacheError, match="schema version 0"):
+        CacheWriter(tmp_path / "old", sealed[1])
+
+
+def test_writer_never_touches_a_sealed_cache_even_without_its_journal(sealed, copy):
+    shutil.rmtree(copy / "journal")  # e.g. a copy made of manifest, index, assets and shards only
+    writer = CacheWriter(copy, sealed[1])
+    assert writer.already_complete
+    assert verify_cache(copy).ok

@@ -16,8 +16,8 @@ from typer.testing import CliRunner
 
 from c2kd.cache_schema import TeacherCache, content_digest, fingerprint_tokenizer, verify_cache
 from c2kd.cli import app
-from c2kd.errors import C2KDError
-from c2kd.pipeline.cache_teacher import CacheTeacherSettings, cache_teacher, length_buckets
+from c2kd.errors import C2KDError, CacheError
+from c2kd.pipeline.cache_teacher import CacheTeacherSettings, TeacherRunner, build_spec, cache_teacher, length_buckets
 from c2kd.pipeline.examples import load_examples
 from c2kd.recmodel.layers import late_layers
 from c2kd.recmodel.model import RecLM
@@ -140,6 +140,15 @@ def test_refusals_before_any_work(teacher_dir, tiny_examples_dir, tmp_path):
     result = CliRunner().invoke(app, ["cache-teacher", "--teacher", str(tmp_path), "--data", str(tiny_examples_dir),
                                       "--out", str(tmp_path / "d")])
     assert result.exit_code == 1 and "not a saved recommender" in result.output
+    # a head with a bias cannot be rebuilt from the stored weight: refused before any forward
+    model = RecLM.load(teacher_dir)
+    head = model.base_lm().get_output_embeddings()
+    model.base_lm().set_output_embeddings(torch.nn.Linear(head.in_features, head.out_features, bias=True))
+    examples = load_examples(tiny_examples_dir)
+    encoder = PromptEncoder(model.tokenizer, "ids", examples.titles())
+    spec = build_spec(model, examples, teacher_dir, CacheTeacherSettings(), encoder.pad_id)
+    with pytest.raises(CacheError, match="bias"):
+        TeacherRunner(model, encoder, spec, torch.device("cpu"), 512)
 
 
 # ---------------------------------------------------------------- processes: kill -9, torchrun

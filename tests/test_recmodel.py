@@ -281,8 +281,19 @@ def test_lora_wrapped_model_saves_merged(tokenizer, item_embeddings, tmp_path):
     from peft import LoraConfig, get_peft_model
 
     model = RecLM.from_preset("micro", tokenizer, item_embeddings, "llara", seed=5)
-    model.lm = get_peft_model(model.lm, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    size = model.non_embedding_parameters()
+    new_tokens = sorted({*model.spec.item_token_ids[1:], model.spec.slot_token_id})
+    config = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
+        trainable_token_indices={"embed_tokens": new_tokens}, task_type="CAUSAL_LM",
+    )
+    model.lm = get_peft_model(model.lm, config)
+    with torch.no_grad():  # move the trainable token rows away from their initial values
+        for name, p in model.lm.named_parameters():
+            if "trainable_tokens_delta" in name:
+                p.add_(torch.randn_like(p))
     model.eval()
+    assert model.non_embedding_parameters() == size  # adapters are not counted
     assert model.num_layers == 2 and model.final_norm is model.base_lm().model.norm
     _, batch = _batch(PromptEncoder(tokenizer, "llara", TITLES))
     with torch.no_grad():

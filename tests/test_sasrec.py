@@ -226,3 +226,21 @@ def test_cli_reports_bad_inputs_in_one_line(tiny_examples_dir, tmp_path):
     assert unknown.exit_code == 1 and "unknown model kind 'tree'" in unknown.output
     no_data = runner.invoke(app, ["train-sasrec", "--data", str(tmp_path / "nope"), "--out", str(tmp_path / "r")])
     assert no_data.exit_code == 1 and "manifest.json" in no_data.output
+
+
+def test_model_is_causal_and_ignores_padding():
+    from c2kd.pipeline.sasrec_model import SASRec, SASRecSpec
+
+    torch.manual_seed(0)
+    model = SASRec(SASRecSpec(num_items=30, hidden=16, max_len=10)).eval()
+    seq = torch.tensor([[0, 0, 0, 0, 0, 4, 9, 2, 7, 1]])
+    with torch.no_grad():
+        out = model(seq)
+        # Left padding is invisible: the same history in a shorter window gives the same states.
+        assert torch.allclose(model(seq[:, 5:]), out[:, 5:], atol=1e-6)
+        # Causal: changing the last item changes nothing before it.
+        changed = seq.clone()
+        changed[0, -1] = 13
+        assert torch.allclose(model(changed)[:, :-1], out[:, :-1], atol=1e-6)
+        assert not torch.allclose(model(changed)[:, -1], out[:, -1])
+        assert model.last_scores(seq)[0, 0] == float("-inf")  # padding is never recommended

@@ -72,7 +72,8 @@ class TeacherCache:
         }
         self._candidates = _pad_lists(index["candidates"].to_list())
         self._history = _pad_lists(index["history"].to_list())
-        self._handles: dict[tuple[int, str], Any] = {}
+        self._handles: dict[tuple[int, str], Any] = {}  # per process: zarr arrays opened so far
+        self._checked: set[int] = set()  # shards whose files were checked against the manifest
         self._handles_pid = os.getpid()
 
     # --- opening ------------------------------------------------------------------------------
@@ -106,7 +107,7 @@ class TeacherCache:
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state["_handles"] = {}
+        state["_handles"], state["_checked"] = {}, set()
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -180,13 +181,14 @@ class TeacherCache:
 
     def _array(self, shard: int, name: str) -> Any:
         if self._handles_pid != os.getpid():  # a forked/spawned worker: open our own handles
-            self._handles, self._handles_pid = {}, os.getpid()
+            self._handles, self._checked, self._handles_pid = {}, set(), os.getpid()
         key = (shard, name)
         if key not in self._handles:
             rel = S.shard_path(shard)
             entry = self._shard_entries[shard]
-            if not any(k[0] == shard for k in self._handles) and self.location.is_local:
+            if shard not in self._checked and self.location.is_local:
                 self._check_local_files(shard, entry)
+                self._checked.add(shard)
             try:
                 arr = open_array(self.location.zarr_store(rel), name)
             except _DECODE_ERRORS as e:

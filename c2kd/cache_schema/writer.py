@@ -80,14 +80,16 @@ class CacheWriter:
         self.spec_hash = spec.spec_hash
         self.rank, self.world_size = rank, world_size
         self.already_complete = self._check_existing()
+        self._entries: dict[int, dict] = {}
+        if self.already_complete:  # a sealed cache is never touched (it may even lack its journal)
+            return
         (self.root / S.SHARDS).mkdir(parents=True, exist_ok=True)
         (self.root / S.JOURNAL).mkdir(parents=True, exist_ok=True)
-        if rank == 0 and not self.already_complete:
+        if rank == 0:
             self._write_manifest({"complete": False, "created_at": _now()})
         self._repair_own_journal()
         self._entries = self._read_journals()
-        if not self.already_complete:  # a sealed cache is never touched (it may lack its journal)
-            self._clean_leftovers()
+        self._clean_leftovers()
 
     # --- starting / resuming ------------------------------------------------------------------
     def _check_existing(self) -> bool:
@@ -100,6 +102,11 @@ class CacheWriter:
                 raise CacheError(f"{manifest_path}: unreadable manifest ({e})") from None
             if manifest.get("format") != S.FORMAT:
                 raise CacheError(f"{self.root}: holds something that is not a c2kd teacher cache")
+            if manifest.get("schema_version") != S.SCHEMA_VERSION:
+                raise CacheError(
+                    f"{self.root}: a cache of schema version {manifest.get('schema_version')!r}; this c2kd writes "
+                    f"version {S.SCHEMA_VERSION} — choose another output folder"
+                )
             if manifest.get("spec_hash") != self.spec_hash:
                 raise CacheError(
                     f"{self.root}: holds a cache made with other settings (teacher, data, layers, "
@@ -165,6 +172,10 @@ class CacheWriter:
                     entries[sid] = entry
         return entries
 
+    def _refuse_if_sealed(self) -> None:
+        if self.already_complete:
+            raise CacheError(f"{self.root}: the cache is sealed (complete); it is never written again")
+
     def _owns(self, shard_id: int) -> bool:
         return shard_id % self.world_size == self.rank
 
@@ -199,6 +210,7 @@ class CacheWriter:
         teacher_config: dict,
     ) -> None:
         """Write assets/ (tokenizer, LM head [V, d], item embeddings, teacher config) atomically."""
+        self._refuse_if_sealed()
         if self.rank != 0:
             raise CacheError("only rank 0 writes the cache assets")
         head = torch.as_tensor(head_weight).detach().cpu().contiguous()
@@ -230,6 +242,7 @@ class CacheWriter:
 
     def write_shard(self, shard_id: int, records: Sequence[ExampleRecord]) -> dict:
         """Write one whole shard (all its examples, in order) and record it; returns its journal entry."""
+        self._refuse_if_sealed()
         if not self._owns(shard_id):
             raise CacheError(f"shard {shard_id} belongs to rank {shard_id % self.world_size}, not rank {self.rank}")
         if not records:
@@ -321,6 +334,7 @@ class CacheWriter:
     # --- sealing ------------------------------------------------------------------------------
     def seal(self, plan: ShardPlan) -> dict:
         """Rank 0, after every rank finished: write index.parquet, then the complete manifest."""
+        self._refuse_if_sealed()
         if self.rank != 0:
             raise CacheError("only rank 0 seals the cache")
         self._entries = self._read_journals()  # other ranks have appended since we started

@@ -152,6 +152,27 @@ def _loss(model: SASRec, seq: torch.Tensor, target: torch.Tensor, all_positions:
     return F.cross_entropy(model.item_scores(hidden), labels[real])
 
 
+def _train_epoch(
+    model: SASRec, optimizer: torch.optim.Optimizer, data: SplitTensors, order: torch.Tensor, config: SASRecTrainConfig
+) -> float:
+    """One pass over `data` in `order`; returns the mean batch loss.
+
+    The padding row of the item table stays exactly zero: its gradient is zero (padding_idx),
+    and AdamW's decay and update of a zero row with zero gradient are zero.
+    """
+    model.train()
+    total, batches = 0.0, 0
+    for i in range(0, len(order), config.batch_size):
+        idx = order[i : i + config.batch_size]
+        loss = _loss(model, data.seq[idx], data.target[idx], config.all_positions)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        total += loss.item()
+        batches += 1
+    return total / batches
+
+
 def fit(
     num_items: int,
     train: pl.DataFrame,
@@ -179,22 +200,11 @@ def fit(
         best_score, best_epoch, best_state, best_val = -math.inf, 0, None, {}
         log: list[dict] = []
         for epoch in range(1, config.epochs + 1):
-            model.train()
             order = torch.randperm(len(train_t), generator=order_rng)
-            total, batches = 0.0, 0
-            for i in range(0, len(order), config.batch_size):
-                idx = order[i : i + config.batch_size]
-                loss = _loss(model, train_t.seq[idx], train_t.target[idx], config.all_positions)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                with torch.no_grad():
-                    model.item_emb.weight[0].zero_()  # keep the padding row exactly zero (weight decay)
-                total += loss.item()
-                batches += 1
+            train_loss = _train_epoch(model, optimizer, train_t, order, config)
             val = evaluate_split(model, val_t)
             score = val["candidates"][SELECT_METRIC]
-            entry = {"epoch": epoch, "train_loss": total / batches, f"validation_{SELECT_METRIC}": score}
+            entry = {"epoch": epoch, "train_loss": train_loss, f"validation_{SELECT_METRIC}": score}
             log.append(entry)
             if score > best_score:
                 best_score, best_epoch, best_val = score, epoch, val

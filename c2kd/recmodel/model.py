@@ -333,13 +333,15 @@ class RecLM(nn.Module):
         return self.spec.format
 
     def non_embedding_parameters(self) -> int:
-        """Parameters of the LM without its token embedding table and output head."""
+        """Parameters of the LM itself without its token embedding table and output head (and
+        without any peft adapter weights): the size that C2KD's compression ratio refers to."""
         base = self.base_lm()
-        skip = {id(base.get_input_embeddings().weight), id(base.get_output_embeddings().weight)}
-        seen: set[int] = set()
-        total = 0
-        for p in base.parameters():
-            if id(p) in skip or id(p) in seen:
+        embedding_modules = {id(base.get_input_embeddings()), id(base.get_output_embeddings())}
+        prefixes = tuple(f"{name}." for name, module in base.named_modules() if id(module) in embedding_modules)
+        adapter_marks = ("lora_", "trainable_tokens_", "modules_to_save.")
+        total, seen = 0, set()
+        for name, p in base.named_parameters(remove_duplicate=False):
+            if name.startswith(prefixes) or any(mark in name for mark in adapter_marks) or id(p) in seen:
                 continue
             seen.add(id(p))
             total += p.numel()

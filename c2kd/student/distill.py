@@ -39,7 +39,7 @@ import shutil
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -253,6 +253,13 @@ class DistillModel(nn.Module):
         )
         self.router_layers: tuple[int, ...] = tuple(filters.teacher_layers) if filters is not None else ()
         self.router_counts: dict[int, int] = {}
+        own_head = recipe.method == "logit-kd" or (recipe.method == "c2kd" and not recipe.cross_head)
+        student_vocab = int(student.lm_head_weight.shape[0])
+        if own_head and student_vocab != self.vocab_size:
+            raise C2KDError(
+                f"--method {recipe.method}{'' if recipe.cross_head else ' --no-cross-head'} compares the student's own "
+                f"logits with the teacher's, but their vocabularies differ ({student_vocab} vs {self.vocab_size})"
+            )
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         params = list(self.student.parameters())
@@ -317,7 +324,7 @@ class DistillModel(nn.Module):
             else:
                 terms["logit"] = cross_head_kd_loss(answer_rows(batch, out.logits, "all"), z_t, None, r.tau)
             loss = loss + r.w_feat * terms["feat"] + r.w_logit * terms["logit"]
-            if self.cross_head is not None and r.orth:
+            if r.uses_orth:
                 terms["orth"] = orth_loss(self.cross_head.feat_mlp.weight)
                 loss = loss + r.w_orth * terms["orth"]
         return {"loss": loss, **terms}
@@ -359,44 +366,85 @@ def build_student(recipe: DistillRecipe, cache: TeacherCache, seed: int) -> RecL
     return student
 
 
-def stage1_collate(cache: TeacherCache, layers: Sequence[int]):
-    def collate(example_ids: list[int]) -> dict:
-        batch = batch_dict(cache.get(example_ids, layers=layers, final_hidden=False, logits=False))
+def take_rows(batch: CachedBatch, rows: Sequence[int]) -> CachedBatch:
+    """The sub-batch of these rows, with the padding trimmed to its own longest example."""
+    idx = torch.as_tensor(list(rows), dtype=torch.long)
+    t = int(batch.attention_mask[idx].sum(1).max()) if len(idx) else 0
+    a = int(batch.answer_mask[idx].sum(1).max()) if len(idx) else 0
+    hidden_width = t if batch.positions == "all" else a
+
+    def pick(x: Tensor | None, width: int | None = None) -> Tensor | None:
+        if x is None:
+            return None
+        x = x[idx]
+        return x[:, :width] if width is not None else x
+
+    return replace(
+        batch,
+        example_ids=pick(batch.example_ids), users=pick(batch.users), targets=pick(batch.targets),
+        candidates=pick(batch.candidates), history=pick(batch.history),
+        input_ids=pick(batch.input_ids, t), attention_mask=pick(batch.attention_mask, t),
+        slot_items=pick(batch.slot_items, t), labels=pick(batch.labels, t),
+        answer_positions=pick(batch.answer_positions, a), answer_mask=pick(batch.answer_mask, a),
+        hidden={l: pick(h, hidden_width) for l, h in batch.hidden.items()},
+        final_hidden=pick(batch.final_hidden, a), topk_values=pick(batch.topk_values, a),
+        topk_indices=pick(batch.topk_indices, a), full_logits=pick(batch.full_logits, a),
+    )
+
+
+class CacheReads:
+    """Reads several micro-batches with ONE cache.get (a read costs about the same for 16 or 128
+    random examples: the cost is per shard and array touched) and makes a trainer batch of each."""
+
+    def __init__(self, cache: TeacherCache, make: Callable[[CachedBatch], dict], **get_kwargs):
+        self.cache, self.make, self.get_kwargs = cache, make, get_kwargs
+
+    def __call__(self, groups: Sequence[Sequence[int]]) -> list[dict]:
+        batch = self.cache.get([i for g in groups for i in g], **self.get_kwargs)
+        out, start = [], 0
+        for g in groups:
+            out.append(self.make(take_rows(batch, range(start, start + len(g)))))
+            start += len(g)
+        return out
+
+
+def stage1_reads(cache: TeacherCache, layers: Sequence[int]) -> CacheReads:
+    """Stage 1 batches: each layer's states at the answer positions, and the answer tokens."""
+    def make(cached: CachedBatch) -> dict:
+        batch = batch_dict(cached)
         return {
             "hidden": {l: answer_rows(batch, batch["hidden"][l], cache.spec.positions) for l in layers},
             "targets": answer_targets(batch),
         }
 
-    return collate
+    return CacheReads(cache, make, layers=layers, final_hidden=False, logits=False)
 
 
-def stage2_collate(cache: TeacherCache, recipe: DistillRecipe, layers: Sequence[int]):
+def stage2_reads(cache: TeacherCache, recipe: DistillRecipe, layers: Sequence[int]) -> CacheReads:
+    """Stage 2 batches: only what the method uses (sft: token ids alone)."""
     kd = recipe.method in ("c2kd", "logit-kd")
-
-    def collate(example_ids: list[int]) -> dict:
-        return batch_dict(cache.get(example_ids, layers=layers, final_hidden=kd, logits=kd))
-
-    return collate
+    return CacheReads(cache, batch_dict, layers=layers, final_hidden=kd, logits=kd)
 
 
 class ReadAhead:
-    """Reads the cache for the next micro-batches in a background thread while the student trains.
+    """The trainer's collate_fn: serves each micro-batch from reads made ahead in a background thread.
 
     The trainer's order is known in advance: micro-batch k of epoch e is
     `epoch_batches(n, batch_size, seed, e, world)[k]`, of which this rank takes every world-th
-    example. A call whose ids are the predicted ones gets the batch read ahead; any other call is
-    read on the spot, so a wrong prediction costs speed, never correctness. A resumed run is
-    found on its first call (the epochs of the run are searched once). All reads go through the
-    one background thread, so the cache is never read concurrently.
+    example. The next `group` micro-batches are read together (one cache read) while the
+    student trains. A call whose ids are not the predicted ones is read on the spot, so a wrong
+    prediction costs speed, never correctness; a resumed run is found on its first call (the
+    planned epochs are searched once). All reads go through the one background thread, so the
+    cache is never read concurrently.
     """
 
-    def __init__(self, read: Callable[[list[int]], dict], example_ids: np.ndarray, batch_size: int, seed: int,
-                 epochs: int, depth: int = 3):
+    def __init__(self, read: Callable[[list[list[int]]], list[dict]], example_ids: np.ndarray, batch_size: int,
+                 seed: int, epochs: int, group: int = 8):
         self.read, self.example_ids, self.batch_size, self.seed = read, example_ids, batch_size, seed
-        self.epochs, self.depth = max(1, epochs), depth
+        self.epochs, self.group = max(1, epochs), max(1, group)
         self.rank, self.world = distributed_info()[:2]
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="c2kd-read-ahead")
-        self.pending: dict[tuple[int, int], Future] = {}
+        self.pending: dict[tuple[int, int], tuple[Future, int]] = {}
         self.orders: dict[int, list[tuple[int, ...]]] = {}
         self.searched = False
         self.hits = self.misses = 0
@@ -421,38 +469,46 @@ class ReadAhead:
             del self.orders[epoch]
         return None
 
-    def _schedule_after(self, epoch: int, k: int) -> None:
-        for _ in range(self.depth):
+    def _following(self, epoch: int, k: int, n: int) -> list[tuple[int, int]]:
+        """The (up to) n positions after (epoch, k) in the planned run."""
+        out = []
+        while len(out) < n:
             k += 1
             if k >= len(self._order(epoch)):
                 epoch, k = epoch + 1, 0
             if epoch >= self.epochs:
-                return
-            if (epoch, k) not in self.pending:
-                self.pending[(epoch, k)] = self.pool.submit(self.read, list(self._order(epoch)[k]))
+                break
+            out.append((epoch, k))
+        return out
+
+    def _schedule_after(self, where: tuple[int, int]) -> None:
+        todo = [p for p in self._following(*where, self.group) if p not in self.pending]
+        if todo:  # read a whole group from the first position not yet being read
+            positions = [todo[0], *self._following(*todo[0], self.group - 1)]
+            future = self.pool.submit(self.read, [list(self._order(e)[k]) for e, k in positions])
+            for j, p in enumerate(positions):
+                self.pending.setdefault(p, (future, j))
 
     def __call__(self, example_ids: list[int]) -> dict:
         ids = tuple(int(i) for i in example_ids)
         where = self._locate(ids)
-        future = self.pending.pop(where, None) if where is not None else None
+        hit = self.pending.pop(where, None) if where is not None else None
         for key in [key for key in self.pending if where is None or key < where]:
-            self.pending.pop(key).cancel()  # read ahead for calls that will not come
-        if where is not None:
-            self.orders = {e: v for e, v in self.orders.items() if e >= where[0]}
-        if future is None:
+            self.pending.pop(key)  # read ahead for calls that will not come
+        if hit is None:
             self.misses += 1
-            future = self.pool.submit(self.read, list(ids))
+            hit = (self.pool.submit(self.read, [list(ids)]), 0)  # queued before any read-ahead
         else:
             self.hits += 1
         if where is not None:
-            self._schedule_after(*where)
-        return future.result()
+            self.orders = {e: v for e, v in self.orders.items() if e >= where[0]}
+            self._schedule_after(where)
+        future, j = hit
+        return future.result()[j]
 
     def close(self) -> None:
-        for future in self.pending.values():
-            future.cancel()
         self.pending.clear()
-        self.pool.shutdown(wait=True)
+        self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 def planned_epochs(config: TrainConfig, num_examples: int) -> int:
@@ -524,16 +580,16 @@ def distill(
 
     settings = {"weight_decay": 1e-5, **(train_config or {})}
     config = TrainConfig(out_dir=work / "stage2", **settings)
-    rank = distributed_info()[0]
-    recipe_record = {"recipe": "distill", **asdict(recipe), "cache": str(cache),
-                     "cache_spec_hash": spec.spec_hash, "data_fingerprint": examples.fingerprint}
-    _check_or_write_recipe(work, recipe_record, rank)
-
     student = build_student(recipe, teacher_cache, seed=config.seed)
     layer_map = None
     if recipe.method == "feature-kd":
         teacher_layers = spec.teacher_num_layers or int(teacher_cache.teacher_config().get("num_layers", 0))
         layer_map = uniform_layer_map(student.num_layers, teacher_layers, spec.layers)
+
+    rank = distributed_info()[0]
+    recipe_record = {"recipe": "distill", **asdict(recipe), "cache": str(cache),
+                     "cache_spec_hash": spec.spec_hash, "data_fingerprint": examples.fingerprint}
+    _check_or_write_recipe(work, recipe_record, rank)
     train_ids = _train_subset(teacher_cache.split_ids("train"), recipe.max_train)
     train_data = CachedExamples(train_ids)
 
@@ -548,7 +604,7 @@ def distill(
                 epochs=recipe.stage1_epochs, batch_size=config.batch_size, seed=config.seed, device=config.device,
                 checkpoint_every=config.checkpoint_every, log_every=config.log_every, progress=config.progress,
             )
-            reader = ReadAhead(stage1_collate(teacher_cache, spec.layers), train_ids, stage1_config.batch_size,
+            reader = ReadAhead(stage1_reads(teacher_cache, spec.layers), train_ids, stage1_config.batch_size,
                                stage1_config.seed, planned_epochs(stage1_config, len(train_ids)))
             try:
                 stage1_result = train(filters, _stage1_loss, train_data, reader, None, None, stage1_config)
@@ -563,7 +619,7 @@ def distill(
 
     evaluator = RecLMEvaluator(examples, "validation", limit=recipe.max_val, batch_size=recipe.eval_batch_size,
                                generation=False, full_catalog=False, progress=False)
-    reader = ReadAhead(stage2_collate(teacher_cache, recipe, layers), train_ids, config.batch_size, config.seed,
+    reader = ReadAhead(stage2_reads(teacher_cache, recipe, layers), train_ids, config.batch_size, config.seed,
                        planned_epochs(config, len(train_ids)))
     try:
         result: TrainResult = train(
