@@ -46,7 +46,7 @@ from c2kd.recmodel.presets import ModelPreset
 from c2kd.recmodel.prompts import PromptEncoder, collate, encode_frame
 from c2kd.recmodel.tokenizer import build_word_tokenizer
 from c2kd.student.c2kd_modules import LayerFilters
-from c2kd.student.distill import DistillModel, DistillRecipe, batch_dict, build_student, live_teacher_batch
+from c2kd.student.distill import DistillModel, DistillRecipe, build_student, live_teacher_batch, stage2_reads
 
 VARIANTS = ("c2kd-cache", "sft-cache", "c2kd-live")
 
@@ -94,6 +94,7 @@ class Bench:
         rng = np.random.default_rng(0)
         self.batches = [rng.choice(ids, args.batch_size, replace=False).tolist() for _ in range(args.steps + args.block)]
         self.pool = ThreadPoolExecutor(max_workers=1)
+        self.group = args.group
         head = self.cache.head_weight()
         self.models, self.optims = {}, {}
         for name in variants:
@@ -112,37 +113,36 @@ class Bench:
             self.encoded = {e.example_id: e for e in encode_frame(encoder, self.examples.split("train"))}
             self.pad_id = encoder.pad_id
 
-    def _read(self, name: str, ids: list[int]) -> dict:
-        spec = self.cache.spec
-        if name == "c2kd-cache":
-            return batch_dict(self.cache.get(ids))
-        return batch_dict(self.cache.get(ids, layers=[], final_hidden=False, logits=False))
-
     def _to_device(self, b: dict) -> dict:
         return {k: ({l: t.to(self.device) for l, t in v.items()} if isinstance(v, dict) else v.to(self.device))
                 for k, v in b.items()}
 
     def block(self, name: str, batches: list[list[int]], read_ahead: bool) -> list[float]:
-        """Train steps of one variant on consecutive batches; the time of each step (its read, or its
-        teacher forward, included). With read_ahead the cache is read one batch ahead in a
-        background thread, as `c2kd distill` does; the live teacher always runs in the step."""
+        """Train steps of one variant on consecutive batches; the time of each step (its cache read,
+        or its teacher forward, included). With read_ahead the cache is read as `c2kd distill`
+        reads it: `group` batches per read, in a background thread, one group ahead."""
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
-        live = name == "c2kd-live"
-        ahead = read_ahead and not live
-        futures = [self.pool.submit(self._read, name, batches[0])] if ahead else []
+        model = self.models[name]
+        if name != "c2kd-live":
+            reads = stage2_reads(self.cache, model.recipe, self.cache.spec.layers if name == "c2kd-cache" else [])
+            size = self.group if read_ahead else 1
+            groups = [batches[i : i + size] for i in range(0, len(batches), size)]
+            futures = [self.pool.submit(reads, groups[0])] if read_ahead else []
         times = []
         for k, ids in enumerate(batches):
             sync()
             start = time.perf_counter()
-            if live:
+            if name == "c2kd-live":
                 tokens = self._to_device(collate([self.encoded[i] for i in ids], self.pad_id))
                 batch = live_teacher_batch(self.teacher, tokens, self.cache.spec.layers, self.cache.spec.positions)
+            elif read_ahead:
+                g, j = divmod(k, self.group)
+                if j == 0 and g + 1 < len(groups):
+                    futures.append(self.pool.submit(reads, groups[g + 1]))
+                batch = self._to_device(futures[g].result()[j])
             else:
-                raw = futures[k].result() if ahead else self._read(name, ids)
-                if ahead and k + 1 < len(batches):
-                    futures.append(self.pool.submit(self._read, name, batches[k + 1]))
-                batch = self._to_device(raw)
-            terms = self.models[name](batch)
+                batch = self._to_device(reads([ids])[0])
+            terms = model(batch)
             terms["loss"].backward()
             self.optims[name].step()
             self.optims[name].zero_grad(set_to_none=True)
@@ -206,8 +206,9 @@ def main() -> None:
     parser.add_argument("--student", default="tiny-student")
     parser.add_argument("--positions", default="all", choices=["all", "answer"])
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per variant")
-    parser.add_argument("--block", type=int, default=5, help="consecutive steps of one variant before the next")
+    parser.add_argument("--steps", type=int, default=32, help="timed steps per variant")
+    parser.add_argument("--block", type=int, default=16, help="consecutive steps of one variant before the next")
+    parser.add_argument("--group", type=int, default=8, help="micro-batches per cache read (as c2kd distill)")
     parser.add_argument("--no-read-ahead", action="store_true", help="read the cache inside the step (no background thread)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -235,7 +236,7 @@ def main() -> None:
         for variant in VARIANTS:
             cmd = [sys.executable, __file__, "--data", str(data), "--teacher", str(teacher), "--cache", str(cache),
                    "--student", args.student, "--positions", args.positions, "--batch-size", str(args.batch_size),
-                   "--steps", str(min(args.steps, 5)), "--block", "1", "--threads", str(args.threads),
+                   "--steps", str(min(args.steps, 16)), "--block", "16", "--group", str(args.group), "--threads", str(args.threads),
                    "--device", args.device, "--memory-of", variant]
             proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
             memory.append(json.loads(proc.stdout.strip().splitlines()[-1]))

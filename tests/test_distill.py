@@ -115,11 +115,11 @@ RECIPES = {
 }
 
 
-# Tolerances: float32 caches hold the teacher's values exactly (only summation order differs);
-# bfloat16 keeps 8 significant bits (relative rounding <= 2^-9 ~ 0.2% per element), which moves
-# these losses by well under 1% relative.
-@pytest.mark.parametrize("positions,dtype,rtol", [("all", "float32", 1e-5), ("answer", "float32", 1e-5),
-                                                  ("all", "bfloat16", 1e-2), ("answer", "bfloat16", 1e-2)])
+# Tolerances: a float32 cache holds the teacher's values exactly, so the losses come out equal
+# (measured: bit-identical). bfloat16 keeps 8 significant bits (relative rounding <= 2^-9 ~ 0.2%
+# per element), which moves these averaged losses far less (measured: <= 1e-4 relative); 1e-3.
+@pytest.mark.parametrize("positions,dtype,rtol", [("all", "float32", 1e-6), ("answer", "float32", 1e-6),
+                                                  ("all", "bfloat16", 1e-3), ("answer", "bfloat16", 1e-3)])
 def test_every_loss_from_the_cache_equals_the_live_teacher(caches, teacher, examples, positions, dtype, rtol):
     cache = TeacherCache.open(caches(positions, dtype))
     ids = cache.split_ids("train")[:12].tolist()
@@ -238,6 +238,8 @@ def test_distill_runs_with_the_teacher_checkpoint_deleted(teacher, examples, tmp
     assert "NDCG@10" in record["metrics"]["validation"]["candidates"]
     assert "NDCG@10" in record["metrics"]["test"]["full_catalog"]
     assert record["stage1_steps"] > 0 and record["student"]["distilled_layer"] == 1
+    stage1 = [json.loads(line) for line in (out / "stage1_log.jsonl").read_text().splitlines()]
+    assert {"ce_layer_2", "ce_layer_3", "ce_layer_4", "ce_layer_5"} <= set(stage1[0])
     student = RecLM.load(out)  # a normal model folder
     assert student.tokenizer.get_vocab() == teacher.tokenizer.get_vocab()
 

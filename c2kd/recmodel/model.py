@@ -225,7 +225,7 @@ class RecLM(nn.Module):
         and the projector of this model (copies; LoRA adapters merged)."""
         if not 1 <= num_layers <= self.num_layers:
             raise C2KDError(f"can keep 1..{self.num_layers} layers, asked for {num_layers}")
-        plain = _plain_copy(self.lm)
+        plain = _plain_copy(self.lm) if _is_peft(self.lm) else self.lm  # _rebuild copies the weights
         config = copy.deepcopy(plain.config)
         text = config.get_text_config()
         text.num_hidden_layers = num_layers

@@ -24,6 +24,10 @@ The `--data` folder is used for validation (model selection) and the final valid
 evaluation, and must be the data the cache was built from (fingerprints are compared before
 training). Training examples come from the cache's train split.
 
+The trainer gets the cache's train example ids as its data; its collate_fn (`ReadAhead`) reads
+the next micro-batches from the cache in a background thread, several per read, while the
+student trains.
+
 While it runs, everything lives in `<out>.partial/` (stage1/ and stage2/ trainer folders,
 recipe.json); running the same command again resumes there. At the end the student is saved
 with `RecLM.save` and the folder renamed to `<out>`: a folder at `<out>` is always complete.
