@@ -459,5 +459,21 @@ def distill_cmd(
 # --- demo ---
 
 
+@app.command("demo")
+def demo_command(
+    out: Optional[Path] = typer.Option(None, "--out", help="Run folder (default: runs/demo-<date-time>)."),
+    seed: int = typer.Option(0, "--seed"),
+    teacher_epochs: int = typer.Option(3, "--teacher-epochs"),
+    student_epochs: int = typer.Option(3, "--student-epochs"),
+    max_train_per_user: int = typer.Option(3, "--max-train-per-user"),
+) -> None:
+    """The whole pipeline on MovieLens-100k with small presets (a few CPU minutes), ending in a comparison table."""
+    from c2kd.demo import DemoSettings, run_demo
+
+    with reporting_errors():
+        run_demo(out, DemoSettings(seed=seed, teacher_epochs=teacher_epochs, student_epochs=student_epochs,
+                                   max_train_per_user=max_train_per_user))
+
+
 if __name__ == "__main__":
     app()

@@ -85,5 +85,6 @@ def test_fsspec_memory_store_and_unknown_scheme(served, tmp_path):
         assert verify_cache("memory://c2kd-test-cache").ok
     finally:
         fs.rm("/c2kd-test-cache", recursive=True)
+    assert len(TeacherCache.open(f"file://{root}")) == 12
     with pytest.raises(CacheError, match="cannot read this URL scheme"):
         TeacherCache.open("nosuchscheme://bucket/cache")

@@ -372,6 +372,7 @@ class CacheWriter:
             "complete": True,
             "created_at": self._created_at(),
             "sealed_at": _now(),
+            "teacher_config": json.loads((self.root / S.TEACHER_CONFIG_FILE).read_text()),
             "arrays": S.array_layout(self.spec),
             "assets": self._asset_list(),
             "index": {
