@@ -1,15 +1,19 @@
 """Stage two speed and memory, measured side by side in one run.
 
     python benchmarks/stage_two.py                        # ML-100k (cap 5), tiny-teacher -> tiny-student
-    python benchmarks/stage_two.py --data DIR --teacher RUN_DIR --steps 30 --json out.json
+    python benchmarks/stage_two.py --data DIR --teacher RUN_DIR --cache CACHE --json out.json
+    python benchmarks/stage_two.py --teacher-shape 576,30,9,1536      # a SmolLM2-135M-shaped teacher
 
 Three training steps of the same student on the same batches (forward, backward, AdamW step,
 the cache read or the teacher forward included):
-    c2kd-cache   C2KD loss, teacher outputs read from the cache (what `c2kd distill` does)
-    sft-cache    L_LM only, token ids read from the cache
+    c2kd-cache   C2KD loss, teacher outputs read from the cache (what `c2kd distill` does: 8
+                 micro-batches per read, in a background thread, one read ahead)
+    sft-cache    L_LM only, token ids read from the cache the same way
     c2kd-live    C2KD loss with the teacher run live on every batch (no cache)
-The variants take turns step by step (so load changes on a shared machine hit all of them) and
-the ratios are of median step times:  c2kd-cache / sft-cache  and  c2kd-live / c2kd-cache.
+The variants take turns in blocks of --block steps (so load changes on a shared machine hit all
+of them); the first block of each is warm-up and the first step of every block (nothing read
+ahead yet) is left out. Ratios are of median step times: c2kd-cache / sft-cache and
+c2kd-live / c2kd-cache. --no-read-ahead reads inside the step instead.
 
 Peak memory: each variant runs again alone in a fresh process; on a GPU, the peak of
 torch.cuda.max_memory_allocated; on CPU, how far the resident memory (sampled every ms) rises

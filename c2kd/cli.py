@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Optional
+
 import typer
+
+from c2kd.cli_util import reporting_errors
+from c2kd.errors import C2KDError
 
 app = typer.Typer(help="c2kd: distil an LLM recommender into a small on-device one (C2KD).", no_args_is_help=True)
 cache_app = typer.Typer(help="Inspect and check a teacher cache.", no_args_is_help=True)
@@ -11,9 +17,6 @@ app.add_typer(cache_app, name="cache")
 # Each section below holds the thin command wrappers of one module; the work lives in the module.
 
 # --- data: prepare ---
-from pathlib import Path  # noqa: E402
-
-from c2kd.cli_util import reporting_errors  # noqa: E402
 
 
 @app.command()
@@ -63,10 +66,6 @@ def prepare(
 
 
 # --- sasrec: train-sasrec ---
-from pathlib import Path  # noqa: E402
-
-from c2kd.cli_util import reporting_errors  # noqa: E402
-from c2kd.errors import C2KDError  # noqa: E402
 
 
 @app.command("train-sasrec")
@@ -173,11 +172,6 @@ def _print_metrics(results: dict[str, dict]) -> None:
 
 
 # --- recommender LM: train-teacher ---
-from pathlib import Path  # noqa: E402
-from typing import Optional  # noqa: E402
-
-from c2kd.cli_util import reporting_errors  # noqa: E402
-from c2kd.errors import C2KDError  # noqa: E402
 
 
 def _eval_every(value: str) -> int | str:
@@ -249,11 +243,6 @@ def train_teacher_cmd(
 
 
 # --- stage one: cache-teacher ---
-from pathlib import Path  # noqa: E402
-from typing import Optional  # noqa: E402
-
-from c2kd.cli_util import reporting_errors  # noqa: E402
-from c2kd.errors import C2KDError  # noqa: E402
 
 
 def _int_list(text: str | None, option: str) -> tuple[int, ...] | None:
@@ -308,7 +297,6 @@ def cache_teacher_cmd(
     )
 
 # --- cache: info / verify ---
-from c2kd.cli_util import reporting_errors  # noqa: E402
 
 
 def _human_bytes(n: float) -> str:
