@@ -1,0 +1,32 @@
+"""`c2kd demo` end to end on MovieLens-100k, shrunk to the smallest sizes (the pipeline, not the quality)."""
+
+import json
+
+import pytest
+
+from c2kd.demo import DemoSettings, run_demo
+
+
+@pytest.mark.slow
+def test_demo_runs_every_stage_into_one_folder(tmp_path):
+    settings = DemoSettings(max_train_per_user=1, sasrec_epochs=1, teacher="micro", teacher_epochs=1,
+                            student="micro", student_epochs=1, latency_requests=3)
+    run = tmp_path / "demo"
+    result = run_demo(run, settings)
+
+    for stage in ("data", "sasrec", "teacher", "cache", "student-sft", "student-c2kd"):
+        assert (run / stage).is_dir(), stage
+    saved = json.loads((run / "results.json").read_text())
+    assert saved["results"].keys() == {"SASRec", "teacher", "SFT student", "C2KD student"}
+    for name, row in result["results"].items():
+        assert 0.0 <= row["HR@1"] <= row["NDCG@10"] <= 1.0, name
+        assert row["latency_ms"] > 0, name
+    assert result["results"]["teacher"]["parameters"] > 0
+
+
+def test_demo_refuses_a_non_empty_folder(tmp_path):
+    (tmp_path / "old.txt").write_text("x")
+    from c2kd.errors import C2KDError
+
+    with pytest.raises(C2KDError, match="not empty"):
+        run_demo(tmp_path, DemoSettings())
