@@ -184,7 +184,8 @@ def markdown(results: dict) -> str:
                  _fmt(entry.get("train_wall_s"), 1), _fmt(entry.get("train_cpu_s"), 1),
                  ",".join(map(str, entry["seeds"]))]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "Candidate metrics rank the 20 stored candidates; full-catalog NDCG@10 ranks all items "
+    lines += ["", "train CPU s: mean over the runs that were not resumed after an interruption; "
+              "train wall s includes the time before a resumption. Candidate metrics rank the 20 stored candidates; full-catalog NDCG@10 ranks all items "
               "(padding and history items excluded). mean ± sample std over seeds.", ""]
     if results.get("parameter_ratio"):
         lines += [f"Non-embedding parameter ratio teacher / student: {results['parameter_ratio']:.2f}×", ""]
@@ -201,7 +202,10 @@ def markdown(results: dict) -> str:
             cells += [f"{val:.4f}" if val is not None else "-", f"epoch {r['selected_epoch']} / {r['epochs_run']}"]
         else:
             cells += [f"{r['validation_best']['NDCG@10']:.4f}", f"{r['best_step']} / {r['final_step']}"]
-        cells += [f"{r['train_wall_s']:.1f}", f"{r['train_cpu_s']:.1f}" if r.get("train_cpu_s") is not None else "-"]
+        cpu = f"{r['train_cpu_s']:.1f}" if r.get("train_cpu_s") is not None else "-"
+        if r.get("resumed_from_step") is not None:
+            cpu = f"- (resumed at step {r['resumed_from_step']})"
+        cells += [f"{r['train_wall_s']:.1f}", cpu]
         lines.append("| " + " | ".join(cells) + " |")
     llara = [r for r in rows if r["model"].startswith("llara")]
     if llara:
@@ -212,7 +216,8 @@ def markdown(results: dict) -> str:
         for r in llara:
             cells = [r["model"], str(r["seed"]), str(r["train_examples"]), str(r["test"]["examples"]),
                      *(f"{_get(r, g, m):.4f}" for g, m in LLARA_METRICS),
-                     f"{r['train_wall_s']:.1f}", f"{r['train_cpu_s']:.1f}", f"{r['eval_wall_s']:.1f}"]
+                     f"{r['train_wall_s']:.1f}", f"{r['train_cpu_s']:.1f}" if r.get("train_cpu_s") is not None else "-",
+                     f"{r['eval_wall_s']:.1f}"]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -326,9 +331,13 @@ def main(argv: list[str] | None = None) -> dict:
                   f"  ({row['train_wall_s']:.0f} s)", flush=True)
             rows.append(row)
 
-    for r in rows:  # SASRec's own validation score, for the per-run table
-        if r["model"] == "SASRec":
+    for r in rows:
+        if r["model"] == "SASRec":  # its own validation score, for the per-run table
             r["validation_ndcg10"] = json.loads((Path(r["run"]) / "metrics.json").read_text())["validation"]["candidates"]["NDCG@10"]
+        else:  # a run resumed after an interruption: its CPU time covers only the last part
+            r["resumed_from_step"] = json.loads((Path(r["run"]) / "train.json").read_text())["timings"]["resumed_from_step"]
+            if r["resumed_from_step"] is not None:
+                r["train_cpu_s"] = None
     order = {"SASRec": 0, "teacher": 1, "SFT student": 2}
     rows.sort(key=lambda r: (order.get(r["model"], 3), r["seed"]))
     params = {r["model"]: r.get("non_embedding_parameters") for r in rows}

@@ -9,6 +9,7 @@ import typer
 
 from c2kd.cli_util import reporting_errors
 from c2kd.errors import C2KDError
+from c2kd.run_folder import write_json
 
 app = typer.Typer(help="c2kd: distil an LLM recommender into a small on-device one (C2KD).", no_args_is_help=True)
 cache_app = typer.Typer(help="Inspect and check a teacher cache.", no_args_is_help=True)
@@ -129,7 +130,7 @@ def evaluate_cmd(
         else:
             raise C2KDError(f"{model}/config.json: unknown model kind {kind!r}; expected 'sasrec' or 'reclm'")
         if out is not None:
-            _write_json_atomic(out, result)
+            write_json(out, result)
     _print_metrics({split: result})
     if out is not None:
         typer.echo(f"metrics written to {out}")
@@ -140,16 +141,6 @@ def _evaluate_reclm(model: Path, data: Path, split: str) -> dict:
     from c2kd.student.evaluate import evaluate_reclm
 
     return evaluate_reclm(model, data, split)
-
-
-def _write_json_atomic(path: Path, obj: dict) -> None:
-    import json
-    import os
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    tmp.replace(path)
 
 
 def _print_metrics(results: dict[str, dict]) -> None:

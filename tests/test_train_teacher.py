@@ -15,7 +15,8 @@ from c2kd.errors import C2KDError
 from c2kd.pipeline import teacher
 from c2kd.pipeline.examples import load_examples
 from c2kd.pipeline.sasrec import SASRecTrainConfig, load_item_embeddings, train_sasrec
-from c2kd.pipeline.teacher import LoraSettings, TeacherRecipe, build_model, partial_dir, train_teacher
+from c2kd.pipeline.teacher import LoraSettings, TeacherRecipe, build_model, train_teacher
+from c2kd.run_folder import partial_dir
 from c2kd.recmodel.model import RecLM
 from c2kd.student.evaluate import RecLMEvaluator
 

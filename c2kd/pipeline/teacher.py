@@ -15,7 +15,6 @@ is renamed to `<out>`: a folder at `<out>` is always a whole model.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, replace
@@ -27,6 +26,7 @@ import torch
 from torch import nn
 
 from c2kd.errors import C2KDError
+from c2kd.run_folder import check_or_write_recipe, partial_dir, publish, write_json
 from c2kd.pipeline.examples import ExampleSet, load_examples
 from c2kd.pipeline.sasrec import check_fingerprint, load_item_embeddings, read_run_config
 from c2kd.recmodel.model import RecLM
@@ -61,11 +61,6 @@ class TeacherRecipe:
     max_val: int | None = None  # the first N validation examples for model selection
     select_metric: str = DEFAULT_SELECT_METRIC
     eval_batch_size: int = 32
-
-
-def partial_dir(out: str | Path) -> Path:
-    out = Path(out)
-    return out.with_name(out.name + ".partial")
 
 
 def build_model(recipe: TeacherRecipe, examples: ExampleSet, item_embeddings: torch.Tensor, seed: int) -> RecLM:
@@ -146,19 +141,9 @@ def train_teacher(
     config = TrainConfig(out_dir=work, **(train_config or {}))
     rank = distributed_info()[0]
 
-    # The recipe of an interrupted run must match the one being resumed.
     recipe_record = {"recipe": RECIPE, **asdict(recipe), "data_fingerprint": examples.fingerprint,
                      "sasrec": str(Path(sasrec).resolve())}
-    recipe_path = work / "recipe.json"
-    if recipe_path.exists():
-        previous = json.loads(recipe_path.read_text())
-        if previous != recipe_record:
-            changed = sorted(k for k in {*previous, *recipe_record} if previous.get(k) != recipe_record.get(k))
-            raise C2KDError(f"{work} holds an interrupted run with other settings ({', '.join(changed)}); "
-                            f"rerun with those settings to resume, or delete {work}")
-    elif rank == 0:
-        work.mkdir(parents=True, exist_ok=True)
-        _write_json(recipe_path, recipe_record)
+    check_or_write_recipe(work, recipe_record, rank)
 
     model = build_model(replace(recipe, lora=None), examples, item_embeddings, seed=config.seed)
     non_embedding = model.non_embedding_parameters()  # of the LM itself, before any adapters
@@ -204,17 +189,8 @@ def _finish(model: RecLM, work: Path, out: Path, record: dict, overwrite: bool, 
     """Save the (best) model with train.json and log.jsonl, then rename it into place at `out`."""
     staged = model.save(work / "model")
     shutil.copyfile(work / "log.jsonl", staged / "log.jsonl")
-    _write_json(staged / "train.json", record)
-    if out.exists() and overwrite:
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        os.replace(out, old)
-        os.replace(staged, out)
-        shutil.rmtree(old)
-    else:
-        os.replace(staged, out)
-    if keep_checkpoints:
-        return
-    shutil.rmtree(work)
+    write_json(staged / "train.json", record)
+    publish(staged, out, work, overwrite, keep_work=keep_checkpoints)
 
 
 def read_train_record(model_dir: str | Path) -> dict:
@@ -223,9 +199,3 @@ def read_train_record(model_dir: str | Path) -> dict:
     if not path.is_file():
         raise C2KDError(f"{model_dir}: no train.json (not written by `c2kd train-teacher`)")
     return json.loads(path.read_text())
-
-
-def _write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)

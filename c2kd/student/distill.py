@@ -37,7 +37,6 @@ batch from the cache; rank 0 evaluates and writes the results.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
@@ -54,6 +53,7 @@ from torch import Tensor, nn
 from c2kd.cache_schema.batch import CachedBatch
 from c2kd.cache_schema.reader import TeacherCache
 from c2kd.errors import C2KDError
+from c2kd.run_folder import check_or_write_recipe, partial_dir, publish, write_json
 from c2kd.pipeline.examples import ExampleSet, load_examples
 from c2kd.recmodel.model import RecLM
 from c2kd.recmodel.presets import PRESETS
@@ -551,11 +551,6 @@ def _on_epoch_end_router(model: DistillModel):
 # ---------------------------------------------------------------- the recipe
 
 
-def partial_dir(out: str | Path) -> Path:
-    out = Path(out)
-    return out.with_name(out.name + ".partial")
-
-
 def distill(
     cache: str | os.PathLike,
     data: str | Path | ExampleSet,
@@ -593,7 +588,7 @@ def distill(
     rank = distributed_info()[0]
     recipe_record = {"recipe": "distill", **asdict(recipe), "cache": str(cache),
                      "cache_spec_hash": spec.spec_hash, "data_fingerprint": examples.fingerprint}
-    _check_or_write_recipe(work, recipe_record, rank)
+    check_or_write_recipe(work, recipe_record, rank)
     train_ids = _train_subset(teacher_cache.split_ids("train"), recipe.max_train)
     train_data = CachedExamples(train_ids)
 
@@ -669,38 +664,16 @@ def final_metrics(student: RecLM, examples: ExampleSet, batch_size: int) -> dict
             for split in ("validation", "test")}
 
 
-def _check_or_write_recipe(work: Path, record: dict, rank: int) -> None:
-    """The recipe of an interrupted run must match the one being resumed."""
-    path = work / "recipe.json"
-    if path.exists():
-        previous = json.loads(path.read_text())
-        if previous != json.loads(json.dumps(record)):
-            changed = sorted(k for k in {*previous, *record} if previous.get(k) != record.get(k))
-            raise C2KDError(f"{work} holds an interrupted run with other settings ({', '.join(changed)}); "
-                            f"rerun with those settings to resume, or delete {work}")
-    elif rank == 0:
-        work.mkdir(parents=True, exist_ok=True)
-        _write_json(path, record)
-
-
 def _finish(student: RecLM, work: Path, out: Path, record: dict, overwrite: bool, keep_checkpoints: bool) -> None:
     """Save the selected student with its records and plot, then rename it into place at `out`."""
     staged = student.save(work / "model")
     shutil.copyfile(work / "stage2" / "log.jsonl", staged / "log.jsonl")
     if (work / "stage1" / "log.jsonl").exists():
         shutil.copyfile(work / "stage1" / "log.jsonl", staged / "stage1_log.jsonl")
-    _write_json(staged / "distill.json", record)
-    _write_json(staged / "metrics.json", record["metrics"])
+    write_json(staged / "distill.json", record)
+    write_json(staged / "metrics.json", record["metrics"])
     plot_run(staged, record)
-    if out.exists() and overwrite:
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        os.replace(out, old)
-        os.replace(staged, out)
-        shutil.rmtree(old)
-    else:
-        os.replace(staged, out)
-    if not keep_checkpoints:
-        shutil.rmtree(work)
+    publish(staged, out, work, overwrite, keep_work=keep_checkpoints)
 
 
 def plot_run(run_dir: Path, record: dict) -> Path:
@@ -748,9 +721,3 @@ def plot_run(run_dir: Path, record: dict) -> Path:
     fig.savefig(path, dpi=80)
     plt.close(fig)
     return path
-
-
-def _write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)

@@ -1,0 +1,56 @@
+"""Run folders of the training recipes (train-teacher, distill): work in `OUT.partial/`, publish
+`OUT` whole.
+
+A recipe works in `OUT.partial/` (checkpoints, logs, `recipe.json`); rerunning the same command
+resumes there, and a changed recipe is refused. At the end the staged model folder is renamed
+into place, so a folder at `OUT` is always complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from c2kd.errors import C2KDError
+
+
+def partial_dir(out: str | Path) -> Path:
+    out = Path(out)
+    return out.with_name(out.name + ".partial")
+
+
+def write_json(path: Path, obj: dict) -> None:
+    """Write JSON atomically (temp file + rename): a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def check_or_write_recipe(work: Path, record: dict, rank: int) -> None:
+    """The recipe of an interrupted run must match the one being resumed."""
+    path = work / "recipe.json"
+    if path.exists():
+        previous = json.loads(path.read_text())
+        if previous != json.loads(json.dumps(record)):
+            changed = sorted(k for k in {*previous, *record} if previous.get(k) != record.get(k))
+            raise C2KDError(f"{work} holds an interrupted run with other settings ({', '.join(changed)}); "
+                            f"rerun with those settings to resume, or delete {work}")
+    elif rank == 0:
+        work.mkdir(parents=True, exist_ok=True)
+        write_json(path, record)
+
+
+def publish(staged: Path, out: Path, work: Path, overwrite: bool, keep_work: bool) -> None:
+    """Rename the finished folder `staged` to `out` (replacing it when `overwrite`), then drop `work`."""
+    if out.exists() and overwrite:
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.replace(out, old)
+        os.replace(staged, out)
+        shutil.rmtree(old)
+    else:
+        os.replace(staged, out)
+    if not keep_work:
+        shutil.rmtree(work)
