@@ -69,3 +69,16 @@ def ml100k_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("ml100k") / "examples"
     prepare("movielens-100k", out, seed=0, max_train_per_user=5)
     return out
+
+
+def save_random_teacher(examples, folder: Path, seed: int) -> Path:
+    """A tiny-teacher with random weights (caching and fidelity need no trained one), saved like train-teacher."""
+    from c2kd.recmodel.model import RecLM
+    from c2kd.recmodel.tokenizer import build_word_tokenizer
+
+    torch.manual_seed(0)
+    tokenizer = build_word_tokenizer(examples.titles()[1:], examples.num_items)
+    emb = torch.randn(examples.num_items + 1, 64)
+    emb[0] = 0
+    model = RecLM.from_preset("tiny-teacher", tokenizer, emb, "ids", seed=seed, data_fingerprint=examples.fingerprint)
+    return model.save(folder / "teacher")

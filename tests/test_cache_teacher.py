@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import save_random_teacher
 import torch
 from typer.testing import CliRunner
 
@@ -22,20 +23,10 @@ from c2kd.pipeline.examples import load_examples
 from c2kd.recmodel.layers import late_layers
 from c2kd.recmodel.model import RecLM
 from c2kd.recmodel.prompts import PromptEncoder, collate
-from c2kd.recmodel.tokenizer import build_word_tokenizer
 
 # The logit error of exact mode comes only from rounding final_hidden to the cache dtype.
 # Bounds relative to the largest |logit|: float32 is exact up to float rounding.
 EXACT_LOGIT_TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 2e-2}
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Small models on a busy 2-core machine: one intra-op thread is many times faster than two.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -45,12 +36,7 @@ def examples(tiny_examples_dir):
 
 @pytest.fixture(scope="module")
 def teacher_dir(examples, tmp_path_factory) -> Path:
-    torch.manual_seed(0)
-    tokenizer = build_word_tokenizer(examples.titles()[1:], examples.num_items)
-    emb = torch.randn(examples.num_items + 1, 64)
-    emb[0] = 0
-    model = RecLM.from_preset("tiny-teacher", tokenizer, emb, "ids", seed=5, data_fingerprint=examples.fingerprint)
-    return model.save(tmp_path_factory.mktemp("teacher") / "teacher")
+    return save_random_teacher(examples, tmp_path_factory.mktemp("teacher"), seed=5)
 
 
 def _live(teacher: RecLM, examples, ids):

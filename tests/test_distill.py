@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import save_random_teacher
 import torch
 from typer.testing import CliRunner
 
@@ -50,13 +51,7 @@ def examples(tiny_examples_dir):
 
 @pytest.fixture(scope="module")
 def teacher_dir(examples, tmp_path_factory) -> Path:
-    """A tiny-teacher (random weights: fidelity does not need a trained one), saved like train-teacher does."""
-    torch.manual_seed(0)
-    tokenizer = build_word_tokenizer(examples.titles()[1:], examples.num_items)
-    emb = torch.randn(examples.num_items + 1, 64)
-    emb[0] = 0
-    model = RecLM.from_preset("tiny-teacher", tokenizer, emb, "ids", seed=3, data_fingerprint=examples.fingerprint)
-    return model.save(tmp_path_factory.mktemp("teacher") / "teacher")
+    return save_random_teacher(examples, tmp_path_factory.mktemp("teacher"), seed=3)
 
 
 @pytest.fixture(scope="module")

@@ -33,15 +33,6 @@ FAST = SASRecTrainConfig(epochs=3, batch_size=64, patience=3)
 RANDOM_NDCG10 = sum(1 / math.log2(r + 1) for r in range(1, 11)) / 20
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny models gain nothing from intra-op threads, and spinning threads slow a shared machine.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def ring_examples_dir(tmp_path_factory) -> Path:
     """A tiny source with sequential structure SASRec can learn: each user walks a ring of
