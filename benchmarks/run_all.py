@@ -33,7 +33,7 @@ def plan(out: Path, quick: bool) -> dict[str, list[str]]:
         steps["sasrec_quality"] += ["--seeds", "0", "--epochs", "2"]
         steps["lm_quality"] += ["--seeds", "0", "--teacher-epochs", "1", "--student-epochs", "1", "--max-train", "200",
                                 "--max-val", "50", "--test-limit", "50", "--llara-max-train", "50",
-                                "--llara-epochs", "1", "--llara-test-limit", "10", "--sasrec-epochs", "2"]
+                                "--llara-epochs", "1", "--llara-test-limit", "10", "--llara-max-val", "50", "--sasrec-epochs", "2"]
         steps["distill_quality"] += ["--quick"]
         steps["stage_one"] += ["--smollm2-examples", "0", "--tiny-examples", "256", "--repeats", "1"]
         steps["stage_two"] += ["--steps", "4", "--block", "2"]
