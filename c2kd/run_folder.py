@@ -21,6 +21,14 @@ def partial_dir(out: str | Path) -> Path:
     return out.with_name(out.name + ".partial")
 
 
+def claim(out: str | Path, overwrite: bool) -> tuple[Path, Path]:
+    """(out, its work folder), refusing an existing `out` unless `overwrite`."""
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise C2KDError(f"{out} already exists; choose another --out or pass --overwrite")
+    return out, partial_dir(out)
+
+
 def write_json(path: Path, obj: dict) -> None:
     """Write JSON atomically (temp file + rename): a reader never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from c2kd.errors import C2KDError
-from c2kd.run_folder import check_or_write_recipe, partial_dir, publish, write_json
+from c2kd.run_folder import check_or_write_recipe, claim, publish, write_json
 from c2kd.pipeline.examples import ExampleSet, load_examples
 from c2kd.pipeline.sasrec import check_fingerprint, load_item_embeddings, read_run_config
 from c2kd.recmodel.model import RecLM
@@ -132,9 +132,7 @@ def train_teacher(
     the same arguments resumes from the last checkpoint."""
     wall = time.perf_counter()
     check_format(recipe.fmt)
-    out, work = Path(out), partial_dir(out)
-    if out.exists() and not overwrite:
-        raise C2KDError(f"{out} already exists; choose another --out or pass --overwrite")
+    out, work = claim(out, overwrite)
     examples = data if isinstance(data, ExampleSet) else load_examples(data)
     check_fingerprint(read_run_config(sasrec), examples, sasrec)
     item_embeddings = load_item_embeddings(sasrec)

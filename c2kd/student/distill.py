@@ -53,7 +53,7 @@ from torch import Tensor, nn
 from c2kd.cache_schema.batch import CachedBatch
 from c2kd.cache_schema.reader import TeacherCache
 from c2kd.errors import C2KDError
-from c2kd.run_folder import check_or_write_recipe, partial_dir, publish, write_json
+from c2kd.run_folder import check_or_write_recipe, claim, publish, write_json
 from c2kd.pipeline.examples import ExampleSet, load_examples
 from c2kd.recmodel.model import RecLM
 from c2kd.recmodel.presets import PRESETS
@@ -565,9 +565,7 @@ def distill(
     `train_config`: TrainConfig fields for stage 2 (all but out_dir; weight decay defaults to the
     authors' 1e-5). Re-running after an interruption with the same arguments resumes."""
     wall = time.perf_counter()
-    out, work = Path(out), partial_dir(out)
-    if out.exists() and not overwrite:
-        raise C2KDError(f"{out} already exists; choose another --out or pass --overwrite")
+    out, work = claim(out, overwrite)
     examples = data if isinstance(data, ExampleSet) else load_examples(data)
 
     # Refusals before anything is trained: cache schema/completeness (the reader), data, layers.
