@@ -259,6 +259,7 @@ def cache_teacher_cmd(
     max_tokens_per_batch: int = typer.Option(8192, "--max-tokens-per-batch", help="Padded tokens per teacher forward (length-bucketed batches)."),
     examples_per_shard: int = typer.Option(256, "--examples-per-shard", help="Examples per shard (the unit of writing, resuming and reading)."),
     device: str = typer.Option("auto", "--device", help="auto (cuda:LOCAL_RANK if available, else cpu), cpu, cuda, cuda:1, ..."),
+    writer: str = typer.Option("process", "--writer", help="Write shards from a background process (keeps the GIL off the forward) or a thread."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar."),
 ) -> None:
     """Stage one: run the teacher once and write the teacher cache (sharded Zarr + Parquet index).
@@ -272,7 +273,7 @@ def cache_teacher_cmd(
             splits=tuple(s.strip() for s in splits.split(",") if s.strip()), layers=_int_list(layers, "--layers"),
             positions=positions, logits=logits, dtype=dtype, compression=compression,
             max_tokens_per_batch=max_tokens_per_batch, examples_per_shard=examples_per_shard, device=device,
-            progress=progress,
+            writer=writer, progress=progress,
         )
         summary = cache_teacher(teacher, data, out, settings)
     if summary["rank"] != 0:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,10 +16,11 @@ from conftest import save_random_teacher
 import torch
 from typer.testing import CliRunner
 
-from c2kd.cache_schema import TeacherCache, content_digest, fingerprint_tokenizer, verify_cache
+from c2kd.cache_schema import CacheWriter, TeacherCache, content_digest, fingerprint_tokenizer, verify_cache
 from c2kd.cli import app
 from c2kd.errors import C2KDError, CacheError
 from c2kd.pipeline.cache_teacher import CacheTeacherSettings, TeacherRunner, build_spec, cache_teacher, length_buckets
+from c2kd.pipeline.shard_writers import ShardJob, ShardWriterProcess, start_shard_writer
 from c2kd.pipeline.examples import load_examples
 from c2kd.recmodel.layers import late_layers
 from c2kd.recmodel.model import RecLM
@@ -123,6 +125,8 @@ def test_refusals_before_any_work(teacher_dir, tiny_examples_dir, tmp_path):
         cache_teacher(teacher_dir, tiny_examples_dir, tmp_path / "b", CacheTeacherSettings(splits=("dev",), progress=False))
     with pytest.raises(C2KDError, match="positions"):
         cache_teacher(teacher_dir, tiny_examples_dir, tmp_path / "c", CacheTeacherSettings(positions="some", progress=False))
+    with pytest.raises(C2KDError, match="--writer 'fork'"):
+        cache_teacher(teacher_dir, tiny_examples_dir, tmp_path / "e", CacheTeacherSettings(writer="fork", progress=False))
     result = CliRunner().invoke(app, ["cache-teacher", "--teacher", str(tmp_path), "--data", str(tiny_examples_dir),
                                       "--out", str(tmp_path / "d")])
     assert result.exit_code == 1 and "not a saved recommender" in result.output
@@ -137,6 +141,81 @@ def test_refusals_before_any_work(teacher_dir, tiny_examples_dir, tmp_path):
         TeacherRunner(model, encoder, spec, torch.device("cpu"), 512)
 
 
+# ---------------------------------------------------------------- the background writers
+
+
+def test_process_and_thread_writers_write_the_same_cache(teacher_dir, examples, tmp_path):
+    caches = {}
+    for kind in ("process", "thread"):
+        settings = CacheTeacherSettings(splits=("validation",), examples_per_shard=8, max_tokens_per_batch=256,
+                                        writer=kind, progress=False)
+        summary = cache_teacher(teacher_dir, examples, tmp_path / kind, settings)
+        assert summary["shards_written"] == 4 and summary["bytes_written"] > 0
+        caches[kind] = content_digest(tmp_path / kind)
+    assert caches["process"] == caches["thread"]
+
+
+def _one_shard_job(teacher_dir, examples, root: Path):
+    """A CacheWriter at `root` and the job of its first shard (8 validation examples)."""
+    model = RecLM.load(teacher_dir).eval()
+    encoder = PromptEncoder(model.tokenizer, "ids", examples.titles())
+    settings = CacheTeacherSettings(splits=("validation",), examples_per_shard=8)
+    spec = build_spec(model, examples, teacher_dir, settings, encoder.pad_id)
+    rows = examples.split("validation").head(8).to_dicts()
+    outputs = TeacherRunner(model, encoder, spec, torch.device("cpu"), 256).shard_outputs(rows)
+    return CacheWriter(root, spec), ShardJob(0, "validation", rows, outputs, spec.positions)
+
+
+def test_a_failing_writer_process_is_reported_in_the_parent(teacher_dir, examples, tmp_path):
+    writer, job = _one_shard_job(teacher_dir, examples, tmp_path / "cache")
+    shutil.rmtree(tmp_path / "cache" / "shards")
+    (tmp_path / "cache" / "shards").write_text("not a folder")  # every shard write now fails
+    background = ShardWriterProcess(max_pending=1)
+    background.attach(writer)
+    background.put(job)
+    with pytest.raises(CacheError, match="failed on shard 0"):
+        background.close()
+    assert not background.process.is_alive()
+
+
+def test_a_killed_writer_process_is_reported_not_waited_for(teacher_dir, examples, tmp_path):
+    writer, job = _one_shard_job(teacher_dir, examples, tmp_path / "cache")
+    background = ShardWriterProcess(max_pending=1)
+    background.attach(writer)
+    background.process.kill()
+    background.process.join(timeout=30)
+    with pytest.raises(CacheError, match="writer process died"):
+        for _ in range(3):  # the first puts may still fit in the queue
+            background.put(job)
+        background.close()
+
+
+def test_a_dead_writer_process_does_not_keep_its_parent_from_exiting():
+    script = (
+        "from c2kd.errors import CacheError\n"
+        "from c2kd.pipeline.shard_writers import ShardWriterProcess\n"
+        "bg = ShardWriterProcess(max_pending=1)\n"
+        "bg.process.kill(); bg.process.join()\n"
+        "bg.attached = True\n"
+        "try:\n"
+        "    for _ in range(4):\n"
+        "        bg.put(b'x' * 10_000_000)  # more than the pipe holds: the queue's feeder thread blocks\n"
+        "except CacheError as e:\n"
+        "    print('refused:', e)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "writer process died" in done.stdout
+
+
+def test_shards_are_refused_before_a_cache_writer_is_attached():
+    for kind in ("thread", "process"):
+        background = start_shard_writer(kind, max_pending=1)
+        with pytest.raises(CacheError, match="attach a CacheWriter"):
+            background.put(None)
+        background.discard()
+
+
 # ---------------------------------------------------------------- processes: kill -9, torchrun
 
 ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # torchrun's default too
@@ -145,6 +224,26 @@ ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # t
 def _cli(teacher_dir, data_dir, out):
     return ["-m", "c2kd.cli", "cache-teacher", "--teacher", str(teacher_dir), "--data", str(data_dir), "--out", str(out),
             "--splits", "validation,test", "--examples-per-shard", "8", "--max-tokens-per-batch", "256", "--no-progress"]
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan may wait a moment to be reaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
 
 
 def _journal_lines(root: Path) -> int:
@@ -177,10 +276,16 @@ def test_kill_9_at_several_points_then_resume_equals_uninterrupted(teacher_dir, 
             while _journal_lines(out) < kill_after and proc.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.01)
             assert proc.poll() is None, f"finished before the kill: {proc.stderr.read().decode()[-2000:]}"
+            children = _children(proc.pid)
+            assert children, "the cache writer process is missing"
             os.kill(proc.pid, signal.SIGKILL)
         finally:
             proc.kill()
             proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while any(_running(pid) for pid in children) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(_running(pid) for pid in children), "the writer process outlived the killed run"
         with pytest.raises(Exception, match="incomplete"):
             TeacherCache.open(out)
     done = subprocess.run([sys.executable, *_cli(teacher_dir, tiny_examples_dir, out)], env=ONE_THREAD,

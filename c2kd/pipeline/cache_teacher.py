@@ -5,7 +5,7 @@
         length-bucketed batches -> teacher forward (eval, no grad, hidden states)
           -> late layers at all/answer positions, final-normed states at answer positions,
              optional top-k / full logits, cast to the cache dtype
-        -> bounded queue -> writer thread (CacheWriter.write_shard: atomic + journaled)
+        -> bounded queue -> writer process (CacheWriter.write_shard: atomic + journaled)
       barrier; rank 0 seals (index + manifest, complete = true)
 
 The forward never waits on disk unless the queue is full. Rerunning the same command after an
@@ -16,12 +16,9 @@ each rank writes its own shards. The layout on disk is cache_schema's business o
 from __future__ import annotations
 
 import os
-import queue
-import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from functools import partial
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,6 +32,7 @@ from c2kd.errors import C2KDError, CacheError
 from c2kd.pipeline.examples import SPLITS, ExampleSet, load_examples
 from c2kd.recmodel.layers import late_layers
 from c2kd.recmodel.model import RecLM
+from c2kd.pipeline.shard_writers import WRITERS, BatchOutputs, ShardJob, ShardWriter, start_shard_writer, to_records
 from c2kd.recmodel.prompts import EncodedExample, PromptEncoder, collate
 
 
@@ -48,7 +46,8 @@ class CacheTeacherSettings:
     compression: str = "zstd"
     max_tokens_per_batch: int = 8192  # padded tokens (batch x longest prompt) per forward
     examples_per_shard: int = 256
-    queue_shards: int = 2  # finished shards waiting for the writer thread
+    queue_shards: int = 2  # finished shards waiting for the writer
+    writer: str = "process"  # where shards are written: a background process, or a thread
     device: str = "auto"  # auto: cuda:LOCAL_RANK when available, else cpu
     progress: bool = True
 
@@ -173,90 +172,6 @@ class TeacherRunner:
         return to_records(self.shard_outputs(rows), shard.split, rows, self.spec.positions)
 
 
-@dataclass
-class BatchOutputs:
-    """One batch's teacher outputs on the CPU: per-token [B, T, d] or per-answer [N, d] hidden
-    states, per-answer final states / logits ([N, ...], `counts` answers per example)."""
-
-    examples: list[EncodedExample]
-    indices: list[int]  # positions of the examples in their shard
-    answers: list
-    counts: list[int]
-    final: torch.Tensor
-    hidden: dict = field(default_factory=dict)
-    topk_values: torch.Tensor | None = None
-    topk_indices: torch.Tensor | None = None
-    full_logits: torch.Tensor | None = None
-
-
-def to_records(outputs: Sequence[BatchOutputs], split: str, rows: Sequence[dict], positions: str) -> list[ExampleRecord]:
-    """Per-example cache records (in shard order) from batch outputs; runs on the writer thread."""
-    records: list[ExampleRecord | None] = [None] * len(rows)
-    for o in outputs:
-        split_rows = lambda x: x.split(o.counts) if x is not None else [None] * len(o.examples)  # noqa: E731
-        final, values, idx, full = (split_rows(x) for x in (o.final, o.topk_values, o.topk_indices, o.full_logits))
-        if positions == "all":
-            hidden = {layer: [h[b, : len(e)] for b, e in enumerate(o.examples)] for layer, h in o.hidden.items()}
-        else:
-            hidden = {layer: h.split(o.counts) for layer, h in o.hidden.items()}
-        for b, (e, i) in enumerate(zip(o.examples, o.indices)):
-            r = rows[i]
-            records[i] = ExampleRecord(
-                example_id=e.example_id, split=split, user=int(r["user"]), target=int(r["target"]),
-                history=r["history"], candidates=r["candidates"],
-                input_ids=torch.tensor(e.input_ids), slot_items=torch.tensor(e.slot_items), labels=torch.tensor(e.labels),
-                hidden={layer: hs[b] for layer, hs in hidden.items()}, final_hidden=final[b],
-                topk_values=values[b], topk_indices=idx[b], full_logits=full[b], _answers=o.answers[b],
-            )
-    return records  # type: ignore[return-value]
-
-
-# ---------------------------------------------------------------- the disk side
-
-
-class ShardWriterThread:
-    """Writes finished shards in the background; `put` blocks only when the queue is full."""
-
-    def __init__(self, writer: CacheWriter, max_pending: int):
-        self.writer = writer
-        self.queue: queue.Queue = queue.Queue(maxsize=max(1, max_pending))
-        self.error: BaseException | None = None
-        self.bytes_written = 0
-        self.shards_written = 0
-        self.write_seconds = 0.0
-        self.thread = threading.Thread(target=self._run, name="c2kd-cache-writer", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while True:
-            item = self.queue.get()
-            if item is None:
-                return
-            if self.error is not None:
-                continue  # drain after a failure; the error is raised in the main thread
-            shard_id, make_records = item
-            try:
-                start = time.perf_counter()
-                entry = self.writer.write_shard(shard_id, make_records())
-                self.write_seconds += time.perf_counter() - start
-                self.bytes_written += entry["bytes"]
-                self.shards_written += 1
-            except BaseException as e:  # noqa: BLE001 - handed to the main thread, which re-raises it
-                self.error = e
-
-    def put(self, shard_id: int, make_records: Callable[[], list[ExampleRecord]]) -> None:
-        """Queue a shard; `make_records()` is called on the writer thread (per-example slicing)."""
-        if self.error is not None:
-            raise self.error
-        self.queue.put((shard_id, make_records))
-
-    def close(self) -> None:
-        self.queue.put(None)
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
-
-
 # ---------------------------------------------------------------- the recipe
 
 
@@ -327,11 +242,15 @@ def cache_teacher(
 ) -> dict:
     """Write (or finish) the teacher cache at `out`; returns a summary of this rank's work."""
     wall = time.perf_counter()
+    if settings.writer not in WRITERS:
+        raise C2KDError(f"--writer {settings.writer!r}: expected one of {', '.join(WRITERS)}")
     rank, world_size, local_rank = _dist_env()
     started_dist = False
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() and settings.device != "cpu" else "gloo")
         started_dist = True
+    # started first: its start-up (seconds of imports) overlaps with loading the teacher
+    background = start_shard_writer(settings.writer, settings.queue_shards)
     try:
         device = _device(settings.device, local_rank)
         teacher_dir = Path(teacher)
@@ -354,13 +273,17 @@ def cache_teacher(
             return {**summary, "complete": True, "shards_written": 0, "examples": 0, "seconds": time.perf_counter() - wall}
         if rank == 0:
             writer.write_assets(model.tokenizer, model.lm_head_weight.detach(), model.item_embeddings, teacher_config(model))
-        stats = write_shards(model, encoder, spec, plan, writer, rows_by_id(examples, settings.splits), device, settings, rank, world_size)
+        stats = write_shards(model, encoder, spec, plan, writer, rows_by_id(examples, settings.splits), device, settings,
+                             rank, world_size, background=background)
+        background = None  # closed by write_shards
         if world_size > 1:
             dist.barrier()
         if rank == 0:
             writer.seal(plan)
         return {**summary, **stats, "complete": True, "seconds": time.perf_counter() - wall}
     finally:
+        if background is not None:  # refused or already complete: nothing was written through it
+            background.discard()
         if started_dist:
             dist.destroy_process_group()
 
@@ -376,12 +299,15 @@ def write_shards(
     settings: CacheTeacherSettings,
     rank: int = 0,
     world_size: int = 1,
+    background: ShardWriter | None = None,
 ) -> dict:
-    """This rank's missing shards: teacher forward on the main thread, writing on a background one."""
+    """This rank's missing shards: teacher forward on the main thread, writing in the background
+    (on `background` when given, started early; it is closed here either way)."""
     done = writer.done_shards()
     todo = [s for s in plan.owned_by(rank, world_size) if s.shard_id not in done]
     runner = TeacherRunner(model, encoder, spec, device, settings.max_tokens_per_batch)
-    background = ShardWriterThread(writer, settings.queue_shards)
+    background = background or start_shard_writer(settings.writer, settings.queue_shards)
+    background.attach(writer)
     total = sum(len(s.example_ids) for s in todo)
     progress, task = _progress(settings.progress and rank == 0, total)
     start = time.perf_counter()
@@ -391,7 +317,7 @@ def write_shards(
             for shard in todo:
                 shard_rows = [rows[i] for i in shard.example_ids]
                 outputs = runner.shard_outputs(shard_rows)
-                background.put(shard.shard_id, partial(to_records, outputs, shard.split, shard_rows, spec.positions))
+                background.put(ShardJob(shard.shard_id, shard.split, shard_rows, outputs, spec.positions))
                 n_examples += len(shard_rows)
                 n_tokens += sum(len(e) for o in outputs for e in o.examples)
                 elapsed = max(time.perf_counter() - start, 1e-9)
@@ -407,5 +333,6 @@ def write_shards(
         "bytes_written": background.bytes_written,
         "forward_seconds": runner.forward_seconds,
         "write_seconds": background.write_seconds,
+        "writer_process_cpu_seconds": getattr(background, "cpu_seconds", 0.0),  # a thread's is in this process's
         "loop_seconds": time.perf_counter() - start,
     }
