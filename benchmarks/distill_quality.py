@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 METHODS = {
@@ -30,17 +32,21 @@ METHODS = {
 COLUMNS = (("candidates", "HR@1"), ("candidates", "NDCG@10"), ("candidates", "MRR"), ("full_catalog", "NDCG@10"))
 
 
-def c2kd(*args: str) -> None:
-    subprocess.run([sys.executable, "-m", "c2kd.cli", *args], check=True)
+def c2kd(*args: str, threads: int | None = None) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None
+    subprocess.run([sys.executable, "-m", "c2kd.cli", *args], check=True, env=env)
 
 
 def teacher_cache(data: Path, out: Path, sasrec_seed: int, epochs: int, lr: float) -> Path:
-    """Train tiny-teacher on `data` and cache its train split (skipped when already there)."""
+    """Train tiny-teacher on `data`, test it, and cache its train split (each skipped when already there)."""
     if not (out / "sasrec").exists():
         c2kd("train-sasrec", "--data", str(data), "--out", str(out / "sasrec"), "--seed", str(sasrec_seed))
     if not (out / "teacher").exists():
         c2kd("train-teacher", "--data", str(data), "--sasrec", str(out / "sasrec"), "--out", str(out / "teacher"),
              "--model", "tiny-teacher", "--format", "ids", "--epochs", str(epochs), "--lr", str(lr), "--no-progress")
+    if not (out / "teacher-test.json").exists():
+        c2kd("evaluate", "--model", str(out / "teacher"), "--data", str(data), "--split", "test",
+             "--out", str(out / "teacher-test.json"))
     if not (out / "cache").exists():
         c2kd("cache-teacher", "--teacher", str(out / "teacher"), "--data", str(data), "--out", str(out / "cache"),
              "--splits", "train", "--no-progress")
@@ -86,6 +92,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--teacher-epochs", type=int, default=8)
     parser.add_argument("--teacher-lr", type=float, default=3e-3)
+    parser.add_argument("--jobs", type=int, default=2, help="distill runs at a time (each with one torch thread when > 1)")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 1 seed, 1 epoch, small subsets")
     args = parser.parse_args()
     if args.quick:
@@ -95,17 +102,25 @@ def main() -> None:
     last_layer = json.loads((Path(cache) / "manifest.json").read_text())["spec"]["layers"][-1]
     extra = ["--max-train", "200", "--max-val", "100"] if args.quick else []
 
+    def run_dir(name: str, seed: int) -> Path:
+        return args.out / (name.replace(", ", "-").replace(" ", "_").replace("(", "").replace(")", "") + f"-s{seed}")
+
+    def distill(name: str, seed: int) -> None:
+        flags = [f.replace("LAST", str(last_layer)) for f in METHODS[name]]
+        run = run_dir(name, seed)
+        if not (run / "distill.json").exists():
+            c2kd("distill", "--cache", str(cache), "--data", str(args.data), "--out", str(run), "--student",
+                 args.student, "--seed", str(seed), "--epochs", str(args.epochs), "--lr", str(args.lr),
+                 "--batch-size", str(args.batch_size), "--no-progress", *flags, *extra,
+                 threads=1 if args.jobs > 1 else None)
+
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:  # each run is its own process
+        for done in [pool.submit(distill, name, seed) for name in METHODS for seed in args.seeds]:
+            done.result()
+
     summary = {}
-    for name, flags in METHODS.items():
-        flags = [f.replace("LAST", str(last_layer)) for f in flags]
-        runs = []
-        for seed in args.seeds:
-            run = args.out / (name.replace(", ", "-").replace(" ", "_").replace("(", "").replace(")", "") + f"-s{seed}")
-            if not (run / "distill.json").exists():
-                c2kd("distill", "--cache", str(cache), "--data", str(args.data), "--out", str(run), "--student",
-                     args.student, "--seed", str(seed), "--epochs", str(args.epochs), "--lr", str(args.lr),
-                     "--batch-size", str(args.batch_size), "--no-progress", *flags, *extra)
-            runs.append(json.loads((run / "distill.json").read_text()))
+    for name in METHODS:
+        runs = [json.loads((run_dir(name, seed) / "distill.json").read_text()) for seed in args.seeds]
         summary[name] = {
             "seeds": args.seeds,
             **{f"{group}/{metric}": [r["metrics"]["test"][group][metric] for r in runs] for group, metric in COLUMNS},
