@@ -443,16 +443,16 @@ def distill_cmd(
 def demo_command(
     out: Optional[Path] = typer.Option(None, "--out", help="Run folder (default: runs/demo-<date-time>)."),
     seed: int = typer.Option(0, "--seed"),
-    teacher_epochs: int = typer.Option(3, "--teacher-epochs"),
-    student_epochs: int = typer.Option(3, "--student-epochs"),
-    max_train_per_user: int = typer.Option(3, "--max-train-per-user"),
+    teacher_epochs: Optional[int] = typer.Option(None, "--teacher-epochs", help="Default: the demo's preset."),
+    student_epochs: Optional[int] = typer.Option(None, "--student-epochs", help="Default: the demo's preset."),
+    max_train_per_user: Optional[int] = typer.Option(None, "--max-train-per-user", help="Default: the demo's preset."),
 ) -> None:
-    """The whole pipeline on MovieLens-100k with small presets (a few CPU minutes), ending in a comparison table."""
+    """The whole pipeline on MovieLens-100k with small presets (about five CPU minutes), ending in a comparison table."""
     from c2kd.demo import DemoSettings, run_demo
 
+    given = {"teacher_epochs": teacher_epochs, "student_epochs": student_epochs, "max_train_per_user": max_train_per_user}
     with reporting_errors():
-        run_demo(out, DemoSettings(seed=seed, teacher_epochs=teacher_epochs, student_epochs=student_epochs,
-                                   max_train_per_user=max_train_per_user))
+        run_demo(out, DemoSettings(seed=seed, **{k: v for k, v in given.items() if v is not None}))
 
 
 if __name__ == "__main__":
