@@ -49,7 +49,7 @@ def plan(out: Path, quick: bool, with_lm_quality: bool) -> dict[str, list[str]]:
         steps["deployment"] += ["--requests", "10"]
         steps["stage_one"] += ["--smollm2-examples", "0", "--tiny-examples", "256", "--repeats", "1"]
         steps["stage_two"] += ["--steps", "4", "--block", "2"]
-        steps["stage_two_smollm2_shape"] += ["--steps", "2", "--block", "1"]
+        steps["stage_two_smollm2_shape"] += ["--steps", "4", "--block", "2", "--cache-examples", "64"]
         if with_lm_quality:
             steps["lm_quality"] += ["--seeds", "0", "--teacher-epochs", "1", "--student-epochs", "1", "--max-train", "200",
                                     "--max-val", "50", "--test-limit", "50", "--llara-max-train", "50",
@@ -88,6 +88,9 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "c2kd.cli", "prepare", "movielens-100k", "--out",
                         str(args.out / "data" / "ml100k-c5"), "--max-train-per-user", "5", "--seed", "0"], check=True)
     status: dict = {"machine": machine(), "quick": args.quick, "benchmarks": {}}
+    previous = args.out / "suite.json"
+    if args.only and previous.is_file():  # a partial rerun keeps the other benchmarks' records
+        status["benchmarks"] = json.loads(previous.read_text())["benchmarks"]
     for name, (script, *script_args) in plan(args.out, args.quick, args.with_lm_quality).items():
         if args.only and name not in args.only:
             continue

@@ -34,6 +34,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from concurrent.futures import ThreadPoolExecutor
@@ -79,10 +80,11 @@ def prepare_inputs(args, work: Path) -> tuple[Path, Path, Path]:
             model = RecLM.from_preset("tiny-teacher", tokenizer, emb, "ids", seed=0, data_fingerprint=examples.fingerprint)
         teacher = model.save(work / "teacher")
     cache = args.cache
-    if cache is None:
+    if cache is None:  # the first --cache-examples train examples are all the timed steps draw from
         cache = work / "cache"
-        cache_teacher(teacher, examples, cache, CacheTeacherSettings(splits=("train",), positions=args.positions,
-                                                                      progress=False, device=args.device))
+        train = examples.split("train").head(args.cache_examples)
+        cache_teacher(teacher, replace(examples, splits={**examples.splits, "train": train}), cache,
+                      CacheTeacherSettings(splits=("train",), positions=args.positions, progress=False, device=args.device))
     return Path(data), Path(teacher), Path(cache)
 
 
@@ -207,6 +209,8 @@ def main() -> None:
     parser.add_argument("--teacher-shape", help="instead: a random Llama teacher HIDDEN,LAYERS,HEADS,INTERMEDIATE "
                         "(e.g. 576,30,9,1536 = SmolLM2-135M's shape)")
     parser.add_argument("--cache", type=Path, help="cache of that teacher; default: written in a temp folder")
+    parser.add_argument("--cache-examples", type=int, default=1024,
+                        help="train examples to cache when no --cache is given (the steps sample from them)")
     parser.add_argument("--student", default="tiny-student")
     parser.add_argument("--positions", default="all", choices=["all", "answer"])
     parser.add_argument("--batch-size", type=int, default=32)
