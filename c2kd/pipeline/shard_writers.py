@@ -5,8 +5,8 @@ per-example records, assembling arrays, zstd, checksums, fsync, the journal — 
 the forward waits only when `max_pending` finished shards are already queued.
 
 A process is the default: that work holds the GIL for long stretches, and as a thread it slowed a
-one-thread CPU forward by ~20% even with a spare core. Tensors reach the process through shared
-memory (torch.multiprocessing), one copy. The process dies with its parent (kill -9 included), so
+one-thread CPU forward by 10–20% even with a spare core (benchmarks/stage_one.py). Tensors reach the process as pickled bytes
+through a pipe, one copy. The process dies with its parent (kill -9 included), so
 an interrupted run never leaves a second writer behind to race the resumed one.
 
 Starting the process costs seconds (it imports torch and zarr), so `cache-teacher` starts it
@@ -230,8 +230,8 @@ class ShardWriterProcess:
         return report[0]
 
     def _send(self, item: ShardJob | CacheWriter | None) -> None:
-        # A job's tensors travel as plain pickled bytes through the pipe: torch's shared-memory
-        # hand-over passes one file descriptor per tensor and cost the child more than writing.
+        # A job travels as plain pickled bytes through the pipe (one copy), not through torch's
+        # shared-memory hand-over, which passes a file descriptor per tensor between the processes.
         payload = pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL) if isinstance(item, ShardJob) else item
         while self._collect(block=False):
             pass
