@@ -5,7 +5,7 @@
 Each benchmark is its own script (see benchmarks/README.md) and runs as a subprocess, so one
 failing benchmark is reported and the others still run; they run one at a time, the timed ones
 last. suite.json records the machine and each step's time; report.py then renders report.md and
-speed.png from the JSON. The default run is sized for about 45 minutes on two CPU cores.
+speed.png from the JSON. The default run took 65 minutes on two CPU cores.
 `--quick` shrinks every run to a smoke test (minutes) to check the suite itself; its numbers
 mean nothing.
 """
