@@ -30,9 +30,9 @@ from c2kd.cache_schema.plan import PlannedShard, ShardPlan
 from c2kd.cache_schema.records import answer_positions
 from c2kd.errors import C2KDError, CacheError
 from c2kd.pipeline.examples import SPLITS, ExampleSet, load_examples
+from c2kd.pipeline.shard_writers import WRITERS, BatchOutputs, ShardJob, ShardWriter, start_shard_writer, to_records
 from c2kd.recmodel.layers import late_layers
 from c2kd.recmodel.model import RecLM
-from c2kd.pipeline.shard_writers import WRITERS, BatchOutputs, ShardJob, ShardWriter, start_shard_writer, to_records
 from c2kd.recmodel.prompts import EncodedExample, PromptEncoder, collate
 
 
