@@ -91,7 +91,7 @@ def lm_job(role: str, data: str, sasrec: str, out: str, recipe: dict, train_conf
     """Train one recommender LM (or reuse the finished folder), evaluate it on test, return a row."""
     _limit_threads(threads)
     from c2kd.pipeline.teacher import TeacherRecipe, read_train_record, train_teacher
-    from c2kd.student.evaluate import evaluate_reclm
+    from c2kd.evaluate import evaluate_reclm
 
     run = Path(out)
     result_path = run / "bench_result.json"

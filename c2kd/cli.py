@@ -2,18 +2,27 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Optional
 
 import typer
 
+from c2kd.atomic import write_json
 from c2kd.cli_util import reporting_errors
 from c2kd.errors import C2KDError
-from c2kd.run_folder import write_json
 
 app = typer.Typer(help="c2kd: distil an LLM recommender into a small on-device one (C2KD).", no_args_is_help=True)
-cache_app = typer.Typer(help="Inspect and check a teacher cache.", no_args_is_help=True)
+cache_app = typer.Typer(help="Inspect, check and share teacher caches.", no_args_is_help=True)
 app.add_typer(cache_app, name="cache")
+
+
+@app.callback()
+def _main() -> None:
+    """c2kd: distil an LLM recommender into a small on-device one (C2KD)."""
+    from c2kd.recmodel.hf import quiet_transformers
+
+    quiet_transformers()  # c2kd's own progress bars only
 
 # Each section below holds the thin command wrappers of one module; the work lives in the module.
 
@@ -138,7 +147,7 @@ def evaluate_cmd(
 
 def _evaluate_reclm(model: Path, data: Path, split: str) -> dict:
     # Recommender-LM runs are evaluated by the student package (ranking + generation protocol).
-    from c2kd.student.evaluate import evaluate_reclm
+    from c2kd.evaluate import evaluate_reclm
 
     return evaluate_reclm(model, data, split)
 
@@ -162,7 +171,52 @@ def _print_metrics(results: dict[str, dict]) -> None:
     Console().print(table)
 
 
-# --- recommender LM: train-teacher ---
+# --- options shared by the training commands (defaults live in TrainConfig and the recipes) ---
+
+
+def _default(cls: type, name: str) -> object:
+    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
+
+
+def _opt(flag: str, text: str, cls: type | None = None, name: str | None = None, **kw) -> typer.models.OptionInfo:
+    """A typer option whose help shows the dataclass default it falls back to (None = not given)."""
+    if cls is not None:
+        text += f" [default: {_default(cls, name or flag.lstrip('-').replace('-', '_'))}]"
+    return typer.Option(flag, help=text, show_default=False, **kw)
+
+
+from c2kd.training import TrainConfig  # noqa: E402  (light: torch is imported by the commands anyway)
+
+Epochs = Annotated[Optional[int], _opt("--epochs", "Epochs over the train split.", TrainConfig)]
+MaxSteps = Annotated[Optional[int], _opt("--max-steps", "Optimizer steps to run (overrides --epochs).")]
+BatchSize = Annotated[Optional[int], _opt("--batch-size", "Examples per micro-batch (over all processes).", TrainConfig)]
+GradAccum = Annotated[Optional[int], _opt("--grad-accum", "Micro-batches per optimizer step.", TrainConfig)]
+Lr = Annotated[Optional[float], _opt("--lr", "Peak AdamW learning rate (linear warmup, cosine decay).", TrainConfig)]
+WeightDecay = Annotated[Optional[float], _opt("--weight-decay", "AdamW weight decay (matrices only).", TrainConfig)]
+WarmupRatio = Annotated[Optional[float], _opt("--warmup-ratio", "Share of the steps spent warming up.", TrainConfig)]
+MaxGradNorm = Annotated[Optional[float], _opt("--max-grad-norm", "Gradient clipping norm (0 = off).", TrainConfig)]
+CheckpointEvery = Annotated[Optional[int], _opt("--checkpoint-every", "Optimizer steps between checkpoints.", TrainConfig)]
+EvalEvery = Annotated[Optional[str], _opt("--eval-every", "'epoch' or a number of optimizer steps between validations.", TrainConfig)]
+Seed = Annotated[Optional[int], _opt("--seed", "Seed of the initialisation, dropout and data order.", TrainConfig)]
+Bf16 = Annotated[bool, typer.Option("--bf16", help="bfloat16 autocast (CPU and bf16-capable GPUs).")]
+Device = Annotated[Optional[str], _opt("--device", "auto (cuda:LOCAL_RANK if available, else cpu), cpu, cuda, cuda:1, ...", TrainConfig)]
+MaxTrain = Annotated[Optional[int], _opt("--max-train", "Train on a fixed random subset of this many examples.")]
+MaxVal = Annotated[Optional[int], _opt("--max-val", "Select the best state on the first N validation examples.")]
+Shrink = Annotated[Optional[str], _opt("--shrink", "A student of a pretrained model with its tokenizer: first:K (its first K layers, "
+                                                   "pretrained weights) or narrow:WIDTHxLAYERS (same family, random init).")]
+KeepCheckpoints = Annotated[bool, typer.Option("--keep-checkpoints", help="Keep OUT.partial/ (checkpoints) after finishing.")]
+Overwrite = Annotated[bool, typer.Option("--overwrite", help="Replace an existing model folder.")]
+ShowProgress = Annotated[bool, typer.Option("--progress/--no-progress", help="Show progress bars.")]
+
+
+def _train_config(**given: object) -> dict:
+    """The TrainConfig fields the user gave (the rest keep the dataclass defaults)."""
+    if given.get("eval_every") is not None:
+        given["eval_every"] = _eval_every(str(given["eval_every"]))
+    if given.get("max_grad_norm") == 0:
+        given["max_grad_norm"] = None
+        return {k: v for k, v in given.items() if v is not None or k == "max_grad_norm"}
+    return {k: v for k, v in given.items() if v is not None}
 
 
 def _eval_every(value: str) -> int | str:
@@ -177,52 +231,43 @@ def _eval_every(value: str) -> int | str:
     return steps
 
 
+# --- recommender LM: train-teacher ---
+
+
 @app.command("train-teacher")
 def train_teacher_cmd(
     data: Path = typer.Option(..., "--data", help="Prepared examples folder (from `c2kd prepare`)."),
     sasrec: Path = typer.Option(..., "--sasrec", help="SASRec run folder (its item embeddings go into the prompts)."),
     out: Path = typer.Option(..., "--out", help="Model folder to create (work in progress lives in OUT.partial/)."),
     fmt: str = typer.Option("ids", "--format", help="Prompt format: ids (one token per item) or llara (titles + slots)."),
-    model: str = typer.Option("tiny-teacher", "--model", help="A preset (tiny-teacher, tiny-student, micro), a Hugging Face folder, a .gguf file or a saved model folder."),
-    lora_r: Optional[int] = typer.Option(None, "--lora-r", help="Train LoRA adapters of this rank (plus item-token embeddings and projector) instead of all weights."),
+    model: str = typer.Option("tiny-teacher", "--model", help="A preset (tiny-teacher, tiny-student, micro), a pretrained alias (smollm2-135m, gemma3-270m), a Hugging Face folder, a .gguf file or a saved model folder."),
+    shrink: Shrink = None,
+    item_head: str = typer.Option("token", "--item-head", help="ids: score items with their token row (token) or with it plus the projected SASRec embedding (hybrid)."),
+    lora_r: Optional[int] = typer.Option(None, "--lora-r", help="Train LoRA adapters of this rank (plus item-token rows and projector) instead of all weights."),
     lora_alpha: Optional[float] = typer.Option(None, "--lora-alpha", help="LoRA alpha (default 2 x rank)."),
     lora_dropout: float = typer.Option(0.05, "--lora-dropout", help="Dropout on the LoRA inputs."),
-    epochs: int = typer.Option(3, help="Epochs over the train split."),
-    max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Optimizer steps to run (overrides --epochs)."),
-    batch_size: int = typer.Option(32, "--batch-size", help="Examples per micro-batch (over all processes)."),
-    grad_accum: int = typer.Option(1, "--grad-accum", help="Micro-batches per optimizer step."),
-    lr: float = typer.Option(1e-3, "--lr", help="Peak AdamW learning rate (linear warmup, cosine decay)."),
-    weight_decay: float = typer.Option(1e-5, "--weight-decay", help="AdamW weight decay (matrices only)."),
-    warmup_ratio: float = typer.Option(0.05, "--warmup-ratio", help="Share of the steps spent warming up."),
-    max_grad_norm: float = typer.Option(1.0, "--max-grad-norm", help="Gradient clipping norm (0 = off)."),
-    checkpoint_every: int = typer.Option(200, "--checkpoint-every", help="Optimizer steps between checkpoints."),
-    eval_every: str = typer.Option("epoch", "--eval-every", help="'epoch' or a number of optimizer steps between validations."),
-    max_train: Optional[int] = typer.Option(None, "--max-train", help="Train on a fixed random subset of this many examples."),
-    max_val: Optional[int] = typer.Option(None, "--max-val", help="Select the best state on the first N validation examples."),
-    seed: int = typer.Option(0, help="Seed of the initialisation, dropout and data order."),
-    bf16: bool = typer.Option(False, "--bf16", help="bfloat16 autocast (CPU and bf16-capable GPUs)."),
-    keep_checkpoints: bool = typer.Option(False, "--keep-checkpoints", help="Keep OUT.partial/ (checkpoints) after finishing."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing model folder."),
-    progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar."),
+    epochs: Epochs = None, max_steps: MaxSteps = None, batch_size: BatchSize = None, grad_accum: GradAccum = None,
+    lr: Lr = None, weight_decay: WeightDecay = None, warmup_ratio: WarmupRatio = None, max_grad_norm: MaxGradNorm = None,
+    checkpoint_every: CheckpointEvery = None, eval_every: EvalEvery = None, seed: Seed = None, bf16: Bf16 = False,
+    device: Device = None, max_train: MaxTrain = None, max_val: MaxVal = None,
+    keep_checkpoints: KeepCheckpoints = False, overwrite: Overwrite = False, progress: ShowProgress = True,
 ) -> None:
     """Fine-tune a recommender LM on the answer tokens (the teacher, or a student alone = SFT).
 
     Rerun the same command after an interruption to resume from the last checkpoint. Launch with
     `torchrun --nproc_per_node N -m c2kd.cli train-teacher ...` for data-parallel training."""
+    from c2kd.distributed import is_main_process
     from c2kd.pipeline.teacher import LoraSettings, TeacherRecipe, train_teacher
-    from c2kd.training import is_main_process
 
     with reporting_errors():
         recipe = TeacherRecipe(
-            fmt=fmt, model=model, max_train=max_train, max_val=max_val,
-            lora=LoraSettings(r=lora_r, alpha=lora_alpha, dropout=lora_dropout) if lora_r else None,
+            fmt=fmt, model=model, shrink=shrink, item_head=item_head, max_train=max_train, max_val=max_val,
+            lora=LoraSettings(r=lora_r, alpha=lora_alpha, dropout=lora_dropout) if lora_r is not None else None,
         )
-        config = dict(
-            epochs=epochs, max_steps=max_steps, batch_size=batch_size, grad_accum=grad_accum, lr=lr,
-            weight_decay=weight_decay, warmup_ratio=warmup_ratio, max_grad_norm=max_grad_norm or None,
-            checkpoint_every=checkpoint_every, eval_every=_eval_every(eval_every), seed=seed, bf16=bf16,
-            progress=progress,
-        )
+        config = _train_config(epochs=epochs, max_steps=max_steps, batch_size=batch_size, grad_accum=grad_accum, lr=lr,
+                               weight_decay=weight_decay, warmup_ratio=warmup_ratio, max_grad_norm=max_grad_norm,
+                               checkpoint_every=checkpoint_every, eval_every=eval_every, seed=seed, bf16=bf16,
+                               device=device, progress=progress)
         record = train_teacher(data, sasrec, out, recipe, config, overwrite=overwrite, keep_checkpoints=keep_checkpoints)
     if is_main_process():
         val = record["validation"]
@@ -378,7 +423,9 @@ def cache_verify_cmd(
 @app.command("distill")
 def distill_cmd(
     cache: str = typer.Option(..., "--cache", help="Teacher cache (a folder or an https:// / s3:// URL); the only teacher input."),
-    student: str = typer.Option("tiny-student", "--student", help="A preset (tiny-student, micro, ...) built with the cache's tokenizer, or a saved model folder."),
+    student: str = typer.Option("tiny-student", "--student", help="A preset (tiny-student, micro, ...) built with the cache's tokenizer, a pretrained alias or folder with --shrink, or a saved model folder."),
+    shrink: Shrink = None,
+    item_head: str = typer.Option("token", "--item-head", help="ids: the student scores items with their token row (token) or plus the projected SASRec embedding (hybrid)."),
     out: Path = typer.Option(..., "--out", help="Student model folder to create (work in progress lives in OUT.partial/)."),
     data: Path = typer.Option(..., "--data", help="Prepared examples folder the cache was built from (validation and test)."),
     method: str = typer.Option("c2kd", "--method", help="c2kd | sft | logit-kd | feature-kd."),
@@ -391,42 +438,30 @@ def distill_cmd(
     tau: float = typer.Option(1.0, "--tau", help="Softmax temperature of the logit losses."),
     stage1_epochs: int = typer.Option(1, "--stage1-epochs", help="Epochs of stage 1 (layer filters on cached teacher states; c2kd only)."),
     stage1_lr: float = typer.Option(1e-3, "--stage1-lr", help="Learning rate of stage 1."),
-    epochs: int = typer.Option(3, help="Epochs of stage 2 over the cached train split."),
-    max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Stage-2 optimizer steps (overrides --epochs)."),
-    batch_size: int = typer.Option(32, "--batch-size", help="Examples per micro-batch (over all processes)."),
-    grad_accum: int = typer.Option(1, "--grad-accum", help="Micro-batches per optimizer step."),
-    lr: float = typer.Option(1e-3, "--lr", help="Peak AdamW learning rate (linear warmup, cosine decay)."),
-    weight_decay: float = typer.Option(1e-5, "--weight-decay", help="AdamW weight decay (matrices only; the authors' 1e-5)."),
-    warmup_ratio: float = typer.Option(0.05, "--warmup-ratio", help="Share of the steps spent warming up."),
-    checkpoint_every: int = typer.Option(200, "--checkpoint-every", help="Optimizer steps between checkpoints."),
-    eval_every: str = typer.Option("epoch", "--eval-every", help="'epoch' or a number of optimizer steps between validations."),
-    max_train: Optional[int] = typer.Option(None, "--max-train", help="Train on a fixed random subset of this many cached examples."),
-    max_val: Optional[int] = typer.Option(None, "--max-val", help="Select the best state on the first N validation examples."),
     select_metric: str = typer.Option("NDCG@10", "--select-metric", help="Validation metric that picks the best state."),
-    seed: int = typer.Option(0, help="Seed of the initialisation, dropout and data order."),
-    bf16: bool = typer.Option(False, "--bf16", help="bfloat16 autocast (CPU and bf16-capable GPUs)."),
-    keep_checkpoints: bool = typer.Option(False, "--keep-checkpoints", help="Keep OUT.partial/ after finishing."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing model folder."),
-    progress: bool = typer.Option(True, "--progress/--no-progress", help="Show progress bars."),
+    epochs: Epochs = None, max_steps: MaxSteps = None, batch_size: BatchSize = None, grad_accum: GradAccum = None,
+    lr: Lr = None, weight_decay: WeightDecay = None, warmup_ratio: WarmupRatio = None, max_grad_norm: MaxGradNorm = None,
+    checkpoint_every: CheckpointEvery = None, eval_every: EvalEvery = None, seed: Seed = None, bf16: Bf16 = False,
+    device: Device = None, max_train: MaxTrain = None, max_val: MaxVal = None,
+    keep_checkpoints: KeepCheckpoints = False, overwrite: Overwrite = False, progress: ShowProgress = True,
 ) -> None:
     """Distil a student from a teacher cache (no teacher weights are loaded).
 
     Rerun the same command after an interruption to resume. Launch with
     `torchrun --nproc_per_node N -m c2kd.cli distill ...` for data-parallel training."""
+    from c2kd.distributed import is_main_process
     from c2kd.student.distill import DistillRecipe, distill
-    from c2kd.training import is_main_process
 
     with reporting_errors():
         recipe = DistillRecipe(
-            method=method, student=student, router=router, cross_head=cross_head, orth=orth, w_feat=w_feat,
-            w_logit=w_logit, w_orth=w_orth, tau=tau, stage1_epochs=stage1_epochs, stage1_lr=stage1_lr,
-            max_train=max_train, max_val=max_val, select_metric=select_metric,
+            method=method, student=student, shrink=shrink, item_head=item_head, router=router, cross_head=cross_head,
+            orth=orth, w_feat=w_feat, w_logit=w_logit, w_orth=w_orth, tau=tau, stage1_epochs=stage1_epochs,
+            stage1_lr=stage1_lr, max_train=max_train, max_val=max_val, select_metric=select_metric,
         )
-        config = dict(
-            epochs=epochs, max_steps=max_steps, batch_size=batch_size, grad_accum=grad_accum, lr=lr,
-            weight_decay=weight_decay, warmup_ratio=warmup_ratio, checkpoint_every=checkpoint_every,
-            eval_every=_eval_every(eval_every), seed=seed, bf16=bf16, progress=progress,
-        )
+        config = _train_config(epochs=epochs, max_steps=max_steps, batch_size=batch_size, grad_accum=grad_accum, lr=lr,
+                               weight_decay=weight_decay, warmup_ratio=warmup_ratio, max_grad_norm=max_grad_norm,
+                               checkpoint_every=checkpoint_every, eval_every=eval_every, seed=seed, bf16=bf16,
+                               device=device, progress=progress)
         record = distill(cache, data, out, recipe, config, overwrite=overwrite, keep_checkpoints=keep_checkpoints)
     if is_main_process():
         test = record["metrics"]["test"]

@@ -24,7 +24,7 @@ from c2kd.pipeline.sasrec import SASRecTrainConfig, evaluate_sasrec, load_sasrec
 from c2kd.pipeline.teacher import TeacherRecipe, train_teacher
 from c2kd.recmodel.model import RecLM
 from c2kd.student.distill import DistillRecipe, distill
-from c2kd.student.evaluate import evaluate_reclm
+from c2kd.evaluate import evaluate_reclm
 
 console = Console()
 

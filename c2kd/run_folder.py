@@ -9,10 +9,10 @@ into place, so a folder at `OUT` is always complete.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
+from c2kd.atomic import publish_dir, write_json
 from c2kd.errors import C2KDError
 
 
@@ -27,14 +27,6 @@ def claim(out: str | Path, overwrite: bool) -> tuple[Path, Path]:
     if out.exists() and not overwrite:
         raise C2KDError(f"{out} already exists; choose another --out or pass --overwrite")
     return out, partial_dir(out)
-
-
-def write_json(path: Path, obj: dict) -> None:
-    """Write JSON atomically (temp file + rename): a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
 
 
 def check_or_write_recipe(work: Path, record: dict, rank: int) -> None:
@@ -53,12 +45,6 @@ def check_or_write_recipe(work: Path, record: dict, rank: int) -> None:
 
 def publish(staged: Path, out: Path, work: Path, overwrite: bool, keep_work: bool) -> None:
     """Rename the finished folder `staged` to `out` (replacing it when `overwrite`), then drop `work`."""
-    if out.exists() and overwrite:
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        os.replace(out, old)
-        os.replace(staged, out)
-        shutil.rmtree(old)
-    else:
-        os.replace(staged, out)
+    publish_dir(staged, out, replace=overwrite)
     if not keep_work:
         shutil.rmtree(work)

@@ -1,12 +1,15 @@
 """The one training loop of the project: teacher fine-tuning, the SFT student and distillation.
 
-    result = train(model, loss_fn, train_data, collate_fn, evaluate_fn, "NDCG@10", TrainConfig(out_dir=...))
+    source = ExampleBatches(examples, collate, batch_size=32, seed=0)
+    result = train(model, loss_fn, source, evaluate_fn, "NDCG@10", TrainConfig(out_dir=..., batch_size=32, seed=0))
 
 - `loss_fn(model, batch) -> {"loss": Tensor, other terms...}`: "loss" is optimised, every term is
   logged. Call `model(...)` (the DDP wrapper under torchrun) for the forward pass.
-- Data order: a permutation of `train_data` drawn from (seed, epoch); micro-batches of
-  `batch_size` examples, `grad_accum` micro-batches per optimizer step. Under torchrun each rank
-  takes a strided slice of every micro-batch, so the data seen does not depend on the world size.
+- Data: a batch source (`BatchSource`) yields an epoch's micro-batches from any position, this
+  rank's part of each; the trainer asks for (epoch, position) and never guesses. Both sources
+  here and in stage two follow `epoch_batches`: a permutation drawn from (seed, epoch), cut into
+  `batch_size` pieces, each rank taking a strided slice, so the data seen does not depend on the
+  world size. `grad_accum` micro-batches make one optimizer step.
 - AdamW (weight decay on matrices only) and linear warmup then cosine decay to 0.
 - bf16 autocast when `bf16=True` and the device supports it (CPU autocast supports bf16).
 - Checkpoints every `checkpoint_every` optimizer steps in `out_dir/checkpoints/step-XXXXXX/`
@@ -28,23 +31,24 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import re
 import shutil
 import time
 import warnings
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import closing, nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from torch import nn
 
+from c2kd import distributed
+from c2kd.atomic import TMP_PREFIX, staged_dir, write_bytes
 from c2kd.errors import C2KDError
 
 # Config fields that may change between a run and its resumption; all others must match.
@@ -56,14 +60,14 @@ _STEP_DIR = re.compile(r"^step-(\d{6,})$")
 class TrainConfig:
     out_dir: str | Path
     lr: float = 1e-3
-    weight_decay: float = 0.0
+    weight_decay: float = 1e-5  # the C2KD authors' value
     warmup_ratio: float = 0.05
-    epochs: int = 1
+    epochs: int = 3
     max_steps: int | None = None  # optimizer steps; overrides epochs when set
     batch_size: int = 32  # examples per micro-batch, over all ranks together
     grad_accum: int = 1
     max_grad_norm: float | None = 1.0
-    checkpoint_every: int = 100  # optimizer steps; a final checkpoint is always written
+    checkpoint_every: int = 200  # optimizer steps; a final checkpoint is always written
     eval_every: int | str = "epoch"  # optimizer steps, or "epoch"; also evaluated at the end
     log_every: int = 10
     seed: int = 0
@@ -77,6 +81,9 @@ class TrainConfig:
         for name in ("batch_size", "grad_accum", "epochs", "log_every", "keep_last"):
             if getattr(self, name) < 1:
                 raise C2KDError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.weight_decay < 0 or (self.max_grad_norm is not None and self.max_grad_norm <= 0) or self.checkpoint_every < 0:
+            raise C2KDError(f"need weight_decay >= 0, max_grad_norm > 0 (or off) and checkpoint_every >= 0; got "
+                            f"{self.weight_decay}, {self.max_grad_norm}, {self.checkpoint_every}")
         if self.max_steps is not None and self.max_steps < 1:
             raise C2KDError(f"max_steps must be >= 1, got {self.max_steps}")
         if not 0.0 <= self.warmup_ratio < 1.0 or self.lr <= 0:
@@ -99,46 +106,6 @@ class TrainResult:
     resumed_from: int | None
 
 
-# ---------------------------------------------------------------- distributed helpers
-
-
-def distributed_info() -> tuple[int, int, int]:
-    """(rank, world_size, local_rank) from the torchrun environment (0, 1, 0 when not launched by it)."""
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
-
-
-def is_main_process() -> bool:
-    return distributed_info()[0] == 0
-
-
-def _init_distributed(device: torch.device) -> None:
-    if distributed_info()[1] > 1 and not dist.is_initialized():
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def _broadcast(obj: Any) -> Any:
-    if not dist.is_initialized():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _gather(obj: Any) -> list[Any]:
-    if not dist.is_initialized():
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
 # ---------------------------------------------------------------- data order
 
 
@@ -153,8 +120,36 @@ def epoch_batches(num_examples: int, batch_size: int, seed: int, epoch: int, wor
     return batches
 
 
+class BatchSource(Protocol):
+    """What the trainer draws micro-batches from."""
+
+    num_examples: int
+
+    def __len__(self) -> int:
+        """Micro-batches per epoch (the same every epoch)."""
+
+    def batches(self, epoch: int, start: int = 0) -> Iterator[Any]:
+        """This rank's part of micro-batches start, start + 1, ... of `epoch`, ready for the loss."""
+
+
+class ExampleBatches:
+    """A batch source over examples held in memory: `collate` turns a list of them into a batch."""
+
+    def __init__(self, examples: Sequence, collate: Callable[[list], Any], batch_size: int, seed: int):
+        self.examples, self.collate, self.batch_size, self.seed = examples, collate, batch_size, seed
+        self.num_examples = len(examples)
+        self.rank, self.world = distributed.dist_env()[:2]
+
+    def __len__(self) -> int:
+        return len(epoch_batches(self.num_examples, self.batch_size, self.seed, 0, self.world))
+
+    def batches(self, epoch: int, start: int = 0) -> Iterator[Any]:
+        for idx in epoch_batches(self.num_examples, self.batch_size, self.seed, epoch, self.world)[start:]:
+            yield self.collate([self.examples[int(i)] for i in idx[self.rank :: self.world]])
+
+
 def _to_device(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
+    if isinstance(batch, torch.Tensor) or callable(getattr(batch, "to", None)):  # tensors, CachedBatch
         return batch.to(device, non_blocking=True)
     if isinstance(batch, dict):
         return {k: _to_device(v, device) for k, v in batch.items()}
@@ -166,8 +161,8 @@ def _to_device(batch: Any, device: torch.device) -> Any:
 def _batch_size_and_tokens(batch: Any) -> tuple[int, int]:
     """Examples in a batch (rows of its first tensor), and real tokens when it carries an
     `attention_mask` (else 0)."""
-    if isinstance(batch, dict) and isinstance(batch.get("attention_mask"), torch.Tensor):
-        mask = batch["attention_mask"]
+    mask = batch.get("attention_mask") if isinstance(batch, dict) else getattr(batch, "attention_mask", None)
+    if isinstance(mask, torch.Tensor):
         return int(mask.shape[0]), int(mask.sum())
     stack = [batch]
     while stack:
@@ -223,20 +218,6 @@ def _frozen_checksum(module: nn.Module, frozen_params: list[torch.Tensor]) -> li
                 float(sum(p.numel() for p in frozen_params))]
 
 
-def _atomic_dir(final: Path, write: Callable[[Path], None]) -> None:
-    """Write a folder under a temp name, then rename it into place (replacing an older one)."""
-    tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    write(tmp)
-    old = final.parent / f".old-{final.name}"
-    if final.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
-
-
 def latest_checkpoint(out_dir: str | Path) -> Path | None:
     """The newest complete checkpoint folder under `out_dir/checkpoints`, or None."""
     root = Path(out_dir) / "checkpoints"
@@ -262,31 +243,23 @@ def cosine_with_warmup(step: int, warmup: int, total: int) -> float:
 def train(
     model: nn.Module,
     loss_fn: Callable[[nn.Module, Any], dict[str, torch.Tensor]],
-    train_data: Sequence,
-    collate_fn: Callable[[list], Any],
+    source: BatchSource,
     evaluate_fn: Callable[[nn.Module], dict[str, float]] | None,
     select_metric: str | None,
     config: TrainConfig,
     trainable_parameters: list[nn.Parameter] | None = None,
     on_epoch_end: Callable[[int, dict], dict | None] | None = None,
-    batch_order: Callable[[int], Sequence[Sequence[int]]] | None = None,
 ) -> TrainResult:
     """Train `model` in place (ending with its best validation weights) and return where things went.
 
     `trainable_parameters`: the parameters to optimise (default: those with requires_grad); all the
     others are frozen. `on_epoch_end(epoch, stats)` runs on every rank after each epoch (and after a
-    last partial one); a dict it returns is added to the epoch line of the log.
-    `batch_order(epoch)`: the epoch's micro-batches as lists of indices into `train_data` (e.g. a
-    shard-local order); it must be deterministic and give the same number of batches each epoch.
-    Default: `epoch_batches` (a (seed, epoch) permutation cut into `batch_size` pieces)."""
+    last partial one); a dict it returns is added to the epoch line of the log."""
     started = time.perf_counter()
-    rank, world, local_rank = distributed_info()
-    if config.device == "auto":
-        device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
-    else:
-        device = torch.device(config.device)
-    _init_distributed(device)
-    if len(train_data) == 0:
+    rank, world, _ = distributed.dist_env()
+    device = distributed.pick_device(config.device)
+    distributed.init(device)
+    if source.num_examples == 0:
         raise C2KDError("no training examples")
     if evaluate_fn is not None and not select_metric:
         raise C2KDError("select_metric is needed to choose the best state on validation")
@@ -310,12 +283,7 @@ def train(
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": config.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=config.lr)
-    def batches_of(ep: int) -> list:
-        if batch_order is None:
-            return epoch_batches(len(train_data), config.batch_size, config.seed, ep, world)
-        return [np.asarray(b) for b in batch_order(ep) if len(b) >= world]
-
-    micro_per_epoch = len(batches_of(0))
+    micro_per_epoch = len(source)
     if micro_per_epoch == 0:
         raise C2KDError(f"no batch of at least {world} examples (one per process) in an epoch")
     steps_per_epoch = math.ceil(micro_per_epoch / config.grad_accum)
@@ -330,7 +298,7 @@ def train(
     ckpt = latest_checkpoint(out)
     if ckpt is not None:
         state = torch.load(ckpt / "trainer.pt", weights_only=True)
-        if state["config"] != _comparable(config) or state["num_examples"] != len(train_data):
+        if state["config"] != _comparable(config) or state["num_examples"] != source.num_examples:
             raise C2KDError(f"{ckpt}: checkpoint of a different run (settings or data differ); use another out_dir")
         if state["frozen_checksum"] != frozen_sum:
             raise C2KDError(f"{ckpt}: the frozen weights differ from the model this run started from")
@@ -352,12 +320,12 @@ def train(
         random.seed(config.seed + rank)
     if main:
         out.mkdir(parents=True, exist_ok=True)
-        for stale in list(ckpt_root.glob(".tmp-*")) + list(out.glob(".tmp-*")):
+        for stale in list(ckpt_root.glob(f"{TMP_PREFIX}*")) + list(out.glob(f"{TMP_PREFIX}*")):
             shutil.rmtree(stale, ignore_errors=True)
         _rewrite_log(log_path, keep_until=step if ckpt is not None else -1)
         if ckpt is None:
             shutil.rmtree(best_dir, ignore_errors=True)
-    _barrier()
+    distributed.barrier()
 
     ddp = world > 1
     net: nn.Module = model
@@ -386,34 +354,31 @@ def train(
             model.train()
             if select_metric not in metrics:
                 raise C2KDError(f"evaluation returned {sorted(metrics)}, not the selection metric {select_metric!r}")
-        metrics = _broadcast(metrics)
+        metrics = distributed.broadcast(metrics)
         improved = best["metric"] is None or metrics[select_metric] > best["metric"]
         if improved:
             best.update(metric=metrics[select_metric], step=step, metrics=metrics)
             if main:
-                weights = _trainable_state(model, frozen)
-                _atomic_dir(best_dir, lambda d: (torch.save(weights, d / "model.pt"),
-                                                 (d / "best.json").write_text(json.dumps(best, indent=1))))
+                with staged_dir(best_dir, replace=True) as d:
+                    torch.save(_trainable_state(model, frozen), d / "model.pt")
+                    (d / "best.json").write_text(json.dumps(best, indent=1))
         log({"kind": "eval", "step": step, "epoch": epoch, **metrics, "best": improved})
 
     def checkpoint() -> None:
-        per_rank = _gather({"rng": _rng_state(), "epoch_acc": {k: float(v) for k, v in epoch_acc.items()}})
+        per_rank = distributed.gather({"rng": _rng_state(), "epoch_acc": {k: float(v) for k, v in epoch_acc.items()}})
         if main:
             state = {"step": step, "epoch": epoch, "batch_pos": batch_pos, "scheduler": scheduler.state_dict(),
-                     "best": best, "ranks": per_rank, "config": _comparable(config), "num_examples": len(train_data),
+                     "best": best, "ranks": per_rank, "config": _comparable(config), "num_examples": source.num_examples,
                      "frozen_checksum": frozen_sum, "train_s": prior_s + time.perf_counter() - started}
 
-            def write(d: Path) -> None:
+            with staged_dir(ckpt_root / f"step-{step:06d}", replace=True) as d:
                 torch.save(_trainable_state(model, frozen), d / "model.pt")
                 torch.save(optimizer.state_dict(), d / "optimizer.pt")
                 torch.save(state, d / "trainer.pt")
-
-            ckpt_root.mkdir(parents=True, exist_ok=True)
-            _atomic_dir(ckpt_root / f"step-{step:06d}", write)
             done = sorted(p for p in ckpt_root.glob("step-*") if _STEP_DIR.match(p.name))
             for old in done[: max(0, len(done) - max(1, config.keep_last))]:
                 shutil.rmtree(old, ignore_errors=True)
-        _barrier()
+        distributed.barrier()
 
     def end_epoch(ep: int) -> None:
         stats = _reduce_means(epoch_acc)
@@ -421,6 +386,36 @@ def train(
         extra = on_epoch_end(ep, stats) if on_epoch_end is not None else None
         log({"kind": "epoch", **stats, **(extra or {})})
         epoch_acc.clear()
+
+    def optimizer_step(group: list) -> None:
+        """Forward/backward of `grad_accum` micro-batches, one optimizer step, and the log line."""
+        nonlocal step, t_interval
+        for j, batch in enumerate(group):
+            batch = _to_device(batch, device)
+            n_ex, n_tok = _batch_size_and_tokens(batch)
+            with (net.no_sync() if ddp and j < len(group) - 1 else nullcontext()):
+                with autocast():
+                    terms = loss_fn(net, batch)
+                (terms["loss"] / len(group)).backward()
+            for acc in (interval, epoch_acc):
+                _accumulate(acc, terms, n_ex, n_tok)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm or float("inf"))
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        progress.update(task, completed=step)
+        if step % config.log_every == 0 or step == total:
+            stats = _reduce_means(interval, keep_counts=True)
+            dt = max(time.perf_counter() - t_interval, 1e-9)
+            n_ex, n_tok = stats.pop("examples"), stats.pop("tokens")
+            rate = {"examples_per_s": n_ex / dt, **({"tokens_per_s": n_tok / dt} if n_tok else {})}
+            log({"kind": "train", "step": step, "epoch": epoch, "lr": lr, **stats, "grad_norm": float(grad_norm), **rate})
+            speed = f"{rate['tokens_per_s']:.0f} tok/s" if n_tok else f"{rate['examples_per_s']:.0f} ex/s"
+            progress.update(task, info=f"loss {stats.get('loss', float('nan')):.4f}  {speed}")
+            interval.clear()
+            t_interval = time.perf_counter()
 
     model.train()
     interval: dict = {}
@@ -430,57 +425,29 @@ def train(
     with progress:
         task = progress.add_task("train", total=total, completed=step, info="")
         while step < total:
-            batches = batches_of(epoch)
-            while batch_pos < len(batches) and step < total:
-                group = batches[batch_pos : batch_pos + config.grad_accum]
-                for j, idx in enumerate(group):
-                    batch = _to_device(collate_fn([train_data[int(i)] for i in idx[rank::world]]), device)
-                    n_ex, n_tok = _batch_size_and_tokens(batch)
-                    last = j == len(group) - 1
-                    with (net.no_sync() if ddp and not last else nullcontext()):
-                        with autocast():
-                            terms = loss_fn(net, batch)
-                        (terms["loss"] / len(group)).backward()
-                    for acc in (interval, epoch_acc):
-                        _accumulate(acc, terms, n_ex, n_tok)
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm or float("inf"))
-                lr = scheduler.get_last_lr()[0]
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-                step += 1
-                batch_pos += len(group)
-                progress.update(task, completed=step)
-
-                if step % config.log_every == 0 or step == total:
-                    stats = _reduce_means(interval, keep_counts=True)
-                    dt = max(time.perf_counter() - t_interval, 1e-9)
-                    n_ex, n_tok = stats.pop("examples"), stats.pop("tokens")
-                    rate = {"examples_per_s": n_ex / dt, **({"tokens_per_s": n_tok / dt} if n_tok else {})}
-                    log({"kind": "train", "step": step, "epoch": epoch, "lr": lr, **stats,
-                         "grad_norm": float(grad_norm), **rate})
-                    progress.update(task, info=f"loss {stats.get('loss', float('nan')):.4f}  "
-                                               + (f"{rate['tokens_per_s']:.0f} tok/s" if n_tok else f"{rate['examples_per_s']:.0f} ex/s"))
-                    interval.clear()
-                    t_interval = time.perf_counter()
-                epoch_done = batch_pos >= len(batches)
-                if epoch_done or step == total:
-                    end_epoch(epoch)
-                if epoch_done:
-                    epoch, batch_pos = epoch + 1, 0
-                if evaluate_fn is not None and (
-                    step == total or (config.eval_every == "epoch" and epoch_done)
-                    or (isinstance(config.eval_every, int) and config.eval_every > 0 and step % config.eval_every == 0)
-                ):
-                    evaluate()
-                if step == total or (config.checkpoint_every > 0 and step % config.checkpoint_every == 0):
-                    checkpoint()
-                if epoch_done:
-                    break  # next epoch: new permutation
+            with closing(source.batches(epoch, batch_pos)) as batches:  # closing stops any read-ahead
+                while batch_pos < micro_per_epoch and step < total:
+                    group = [next(batches) for _ in range(min(config.grad_accum, micro_per_epoch - batch_pos))]
+                    optimizer_step(group)
+                    batch_pos += len(group)
+                    epoch_done = batch_pos >= micro_per_epoch
+                    if epoch_done or step == total:
+                        end_epoch(epoch)
+                    if epoch_done:
+                        epoch, batch_pos = epoch + 1, 0
+                    if evaluate_fn is not None and (
+                        step == total or (config.eval_every == "epoch" and epoch_done)
+                        or (isinstance(config.eval_every, int) and step % config.eval_every == 0)
+                    ):
+                        evaluate()
+                    if step == total or (config.checkpoint_every > 0 and step % config.checkpoint_every == 0):
+                        checkpoint()
+                    if epoch_done:
+                        break  # next epoch: a new permutation
 
     if evaluate_fn is not None and best["step"] is not None and best_dir.is_dir():
         _load_trainable_state(model, torch.load(best_dir / "model.pt", weights_only=True), frozen, best_dir)
-    _barrier()
+    distributed.barrier()
     elapsed = time.perf_counter() - started
     return TrainResult(
         best_metric=best["metric"], best_step=best["step"], best_metrics=dict(best["metrics"]), final_step=step,
@@ -501,14 +468,10 @@ def _accumulate(acc: dict, terms: dict[str, torch.Tensor], n_examples: int, n_to
 def _reduce_means(acc: dict, keep_counts: bool = False) -> dict:
     """Mean of each term over micro-batches (and ranks); with keep_counts, summed examples/tokens."""
     keys = sorted(k for k in acc if k not in ("_count", "examples", "tokens"))
-    keys = _broadcast(keys)  # same order on every rank
+    keys = distributed.broadcast(keys)  # same order on every rank
     values = torch.tensor([float(acc.get(k, 0.0)) for k in keys] + [acc.get("_count", 0), acc.get("examples", 0),
                                                                     acc.get("tokens", 0)], dtype=torch.float64)
-    if dist.is_initialized():
-        on = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else values.device
-        values = values.to(on)
-        dist.all_reduce(values)
-        values = values.cpu()
+    values = distributed.all_reduce_sum(values)
     count = max(values[-3].item(), 1.0)
     out = {k: values[i].item() / count for i, k in enumerate(keys)}
     if keep_counts:
@@ -522,9 +485,7 @@ def _rewrite_log(path: Path, keep_until: int) -> None:
         return
     lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
     kept = [ln for ln in lines if keep_until >= 0 and json.loads(ln).get("step", 0) <= keep_until]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(ln + "\n" for ln in kept))
-    os.replace(tmp, path)
+    write_bytes(path, "".join(ln + "\n" for ln in kept).encode())
 
 
 def read_log(out_dir: str | Path, kind: str | None = None) -> list[dict]:

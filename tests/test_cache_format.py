@@ -1,4 +1,4 @@
-"""Teacher-cache format: write/read round trip, dtypes, policies, index, batch order, workers."""
+"""Teacher-cache format: write/read round trip, dtypes, policies, index, workers."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import torch
 import zarr
 
 from c2kd.cache_schema import (
-    CacheBatches,
     CacheSpec,
     CacheWriter,
     TeacherCache,
@@ -139,36 +138,22 @@ def test_index_and_manifest_readable_without_c2kd(bf16_cache):
     assert ids[row["token_offset"] : row["token_offset"] + row["token_length"]].tolist() == list(rec.input_ids)
 
 
-def test_batch_order_is_shard_local_deterministic_and_covers_the_split(bf16_cache):
-    root, spec, plan = bf16_cache
-    cache = TeacherCache.open(root)
-    train = sorted(cache.split_ids("train").tolist())
-    order = cache.batch_order("train", batch_size=3, seed=1, epoch=0)
-    flat = [i for b in order for i in b]
-    assert sorted(flat) == train
-    assert order == cache.batch_order("train", batch_size=3, seed=1, epoch=0)
-    assert order != cache.batch_order("train", batch_size=3, seed=1, epoch=1)
-    # locality: the sequence visits each shard's examples in one contiguous run
-    shard_of = {i: s.shard_id for s in plan.shards for i in s.example_ids}
-    runs = [shard_of[i] for k, i in enumerate(flat) if k == 0 or shard_of[i] != shard_of[flat[k - 1]]]
-    assert len(runs) == len(set(runs))
-    # two ranks: disjoint batches, same number of steps, together covering the split
-    r0 = cache.batch_order("train", 2, seed=1, epoch=0, rank=0, world_size=2)
-    r1 = cache.batch_order("train", 2, seed=1, epoch=0, rank=1, world_size=2)
-    assert len(r0) == len(r1)
-    assert set(i for b in r0 + r1 for i in b) == set(train)
-    with pytest.raises(CacheError, match="split 'test' is not cached"):
-        cache.batch_order("test", 2, seed=0, epoch=0)
-
-
 def test_pickle_and_dataloader_workers_read_the_same(bf16_cache):
     root, _, _ = bf16_cache
     cache = TeacherCache.open(root)
     cache.get([0])  # open some handles in this process first
     clone = pickle.loads(pickle.dumps(cache))
     assert torch.equal(clone.get([4, 9]).hidden[2], cache.get([4, 9]).hidden[2])
-    batches = cache.batch_order("train", 4, seed=0, epoch=0)
-    loader = torch.utils.data.DataLoader(CacheBatches(cache, batches), batch_size=None, num_workers=2)
+    batches = [[0, 4, 9], [1, 2], [5, 8, 3]]
+
+    class Batches(torch.utils.data.Dataset):  # a reader pickled into each worker process
+        def __len__(self):
+            return len(batches)
+
+        def __getitem__(self, k):
+            return cache.get(batches[k])
+
+    loader = torch.utils.data.DataLoader(Batches(), batch_size=None, num_workers=2)
     got = {tuple(b.example_ids.tolist()): b.hidden[3] for b in loader}
     for ids in batches:
         assert torch.equal(got[tuple(ids)], cache.get(ids).hidden[3])

@@ -73,7 +73,7 @@ def test_cached_teacher_equals_live_teacher(teacher_dir, examples, tmp_path, dty
                      "data_fingerprint": examples.fingerprint, "logits": "full"},
     )
     assert cache.layers == (2, 3, 4, 5) and len(cache) == 60
-    assert torch.equal(cache.head_weight(), teacher.lm_head_weight.detach())
+    assert torch.equal(cache.head_weight(), teacher.effective_head_weight())
     assert torch.equal(cache.item_embeddings(), teacher.item_embeddings)
     assert cache.tokenizer().get_vocab() == teacher.tokenizer.get_vocab()
     ids = cache.index["example_id"].to_list()[::3]  # across all shards and both splits
@@ -121,7 +121,7 @@ def test_cli_answer_positions_topk_and_rerun_is_a_no_op(teacher_dir, tiny_exampl
 def test_refusals_before_any_work(teacher_dir, tiny_examples_dir, tmp_path):
     with pytest.raises(C2KDError, match="the teacher has layers 1..6"):
         cache_teacher(teacher_dir, tiny_examples_dir, tmp_path / "a", CacheTeacherSettings(layers=(6, 7), progress=False))
-    with pytest.raises(C2KDError, match="unknown split"):
+    with pytest.raises(C2KDError, match="--splits 'dev'"):
         cache_teacher(teacher_dir, tiny_examples_dir, tmp_path / "b", CacheTeacherSettings(splits=("dev",), progress=False))
     with pytest.raises(C2KDError, match="positions"):
         cache_teacher(teacher_dir, tiny_examples_dir, tmp_path / "c", CacheTeacherSettings(positions="some", progress=False))

@@ -24,22 +24,14 @@ from c2kd.pipeline.prepare import prepare
 from c2kd.recmodel.model import RecLM
 from c2kd.recmodel.prompts import PromptEncoder, collate, encode_frame
 from c2kd.recmodel.tokenizer import build_word_tokenizer
+from c2kd.recmodel.prompts import answer_index
 from c2kd.student.c2kd_modules import LayerFilters
-from c2kd.student.distill import (
-    CachedExamples,
-    DistillModel,
-    DistillRecipe,
-    ReadAhead,
-    answer_index,
-    batch_dict,
-    build_student,
-    distill,
-    live_teacher_batch,
-    planned_epochs,
-    stage1_reads,
-    stage2_reads,
-)
+from c2kd.student.cache_batches import CacheBatches
+from c2kd.student.distill import DistillRecipe, build_student, distill
+from c2kd.student.objective import DistillModel
 from c2kd.training import TrainConfig, epoch_batches, read_log, train
+
+from benchmarks.live_teacher import live_teacher_batch
 
 # ---------------------------------------------------------------- fixtures: teacher and caches
 
@@ -95,8 +87,8 @@ def _model(cache: TeacherCache, recipe: DistillRecipe, seed=0) -> DistillModel:
     student = build_student(recipe, cache, seed=seed)
     filters = LayerFilters(cache.spec.layers, cache.spec.hidden_size, student.hidden_size, cache.spec.vocab_size)
     layer_map = {1: 3} if recipe.method == "feature-kd" else None
-    return DistillModel(student, recipe, cache.spec, cache.head_weight(), filters if recipe.method == "c2kd" else None,
-                        layer_map).eval()
+    return DistillModel(student, recipe.weights, cache.spec, cache.head_weight(),
+                        filters if recipe.method == "c2kd" else None, layer_map).eval()
 
 
 # ---------------------------------------------------------------- fidelity: cache == live teacher
@@ -118,10 +110,10 @@ RECIPES = {
 def test_every_loss_from_the_cache_equals_the_live_teacher(caches, teacher, examples, positions, dtype, rtol):
     cache = TeacherCache.open(caches(positions, dtype))
     ids = cache.split_ids("train")[:12].tolist()
-    cached = batch_dict(cache.get(ids))
+    cached = cache.get(ids)
     live = live_teacher_batch(teacher, _live_tokens(teacher, examples, ids), cache.spec.layers, positions)
     for key in ("input_ids", "slot_items", "labels", "attention_mask", "answer_positions", "answer_mask"):
-        assert torch.equal(cached[key], live[key].to(cached[key].dtype)), key
+        assert torch.equal(getattr(cached, key), getattr(live, key).to(getattr(cached, key).dtype)), key
     for name, recipe in RECIPES.items():
         model = _model(cache, recipe)
         from_cache, from_teacher = model(cached), model(live)
@@ -136,7 +128,7 @@ def test_router_picks_the_same_layers_from_cache_and_live_teacher(caches, teache
     cache = TeacherCache.open(caches("all", "float32"))
     ids = cache.split_ids("train")[:12].tolist()
     model = _model(cache, DistillRecipe(student="micro")).train()
-    model(batch_dict(cache.get(ids)))
+    model(cache.get(ids))
     from_cache = dict(model.router_counts)
     model.router_counts.clear()
     model(live_teacher_batch(teacher, _live_tokens(teacher, examples, ids), cache.spec.layers, "all"))
@@ -145,14 +137,14 @@ def test_router_picks_the_same_layers_from_cache_and_live_teacher(caches, teache
 
 @pytest.mark.parametrize("logits", ["full", "topk:K"])
 def test_full_and_topk_caches_give_the_exact_logit_loss(caches, teacher, examples, logits):
-    vocab = int(teacher.lm_head_weight.shape[0])
+    vocab = teacher.vocab_size
     logits = logits.replace("K", str(vocab))  # top-V holds every logit: must equal exact mode
     exact = TeacherCache.open(caches("answer", "float32", "exact"))
     other = TeacherCache.open(caches("answer", "float32", logits))
     ids = exact.split_ids("train")[:8].tolist()
     for recipe in (RECIPES["c2kd"], RECIPES["logit-kd"]):
-        a = _model(exact, recipe)(batch_dict(exact.get(ids)))
-        b = _model(other, recipe)(batch_dict(other.get(ids)))
+        a = _model(exact, recipe)(exact.get(ids))
+        b = _model(other, recipe)(other.get(ids))
         assert torch.allclose(a["logit"], b["logit"], rtol=1e-5)
 
 
@@ -160,8 +152,8 @@ def test_small_topk_cache_gives_a_finite_loss_close_to_exact(caches):
     exact = TeacherCache.open(caches("answer", "float32", "exact"))
     top = TeacherCache.open(caches("answer", "float32", "topk:8"))
     ids = exact.split_ids("train")[:8].tolist()
-    a = _model(exact, RECIPES["logit-kd"])(batch_dict(exact.get(ids)))["logit"]
-    b = _model(top, RECIPES["logit-kd"])(batch_dict(top.get(ids)))["logit"]
+    a = _model(exact, RECIPES["logit-kd"])(exact.get(ids))["logit"]
+    b = _model(top, RECIPES["logit-kd"])(top.get(ids))["logit"]
     assert torch.isfinite(b) and b.item() != pytest.approx(a.item(), rel=1e-6)
 
 
@@ -189,7 +181,7 @@ def test_answer_index_matches_the_cache(caches, teacher, examples):
 def test_loss_terms_and_gradients_per_method(caches, recipe, terms):
     cache = TeacherCache.open(caches("all", "bfloat16"))
     model = _model(cache, recipe).train()
-    out = model(batch_dict(cache.get(cache.split_ids("train")[:6])))
+    out = model(cache.get(cache.split_ids("train")[:6]))
     assert set(out) == terms
     weights = {"feat": recipe.w_feat, "logit": recipe.w_logit, "orth": recipe.w_orth}
     assert torch.allclose(out["loss"], out["lm"] + sum(weights[t] * out[t] for t in terms - {"loss", "lm"}))
@@ -242,13 +234,13 @@ def test_distill_runs_with_the_teacher_checkpoint_deleted(teacher, examples, tmp
 def test_sft_from_the_cache_reads_no_teacher_states(caches, examples, tmp_path, monkeypatch):
     cache = caches("all", "bfloat16")
     asked = []
-    original = TeacherCache.get
+    original = TeacherCache.get_batches
 
-    def spy(self, ids, **kw):
+    def spy(self, groups, **kw):
         asked.append(kw)
-        return original(self, ids, **kw)
+        return original(self, groups, **kw)
 
-    monkeypatch.setattr(TeacherCache, "get", spy)
+    monkeypatch.setattr(TeacherCache, "get_batches", spy)
     record = distill(cache, examples.root, tmp_path / "sft", DistillRecipe(method="sft", student="micro", max_val=10),
                      {"max_steps": 3, "batch_size": 16, "progress": False})
     assert record["final_step"] == 3 and record["stage1_steps"] == 0
@@ -296,62 +288,60 @@ def test_ddp_two_ranks_each_read_their_part(caches, examples, tmp_path):
     assert (out / "metrics.json").is_file()
 
 
-# ---------------------------------------------------------------- reading ahead of the trainer
+# ---------------------------------------------------------------- the batch source
 
 
-def test_read_ahead_serves_every_trainer_call_and_finds_a_resumed_run(tmp_path):
-    ids = np.arange(100, 140)  # example ids of 40 cached examples
-    reads: list[list[int]] = []
+def test_cache_batches_follow_the_trainer_order_and_resume_by_position(caches):
+    cache = TeacherCache.open(caches("answer", "bfloat16", "topk:4"))
+    ids = cache.split_ids("train")[:40]
+    source = CacheBatches(cache, ids, batch_size=8, seed=5, group=3, layers=cache.spec.layers)
+    assert len(source) == 5 and source.num_examples == 40
+    for epoch in range(2):
+        order = [ids[b].tolist() for b in epoch_batches(40, 8, 5, epoch)]
+        assert [b.example_ids.tolist() for b in source.batches(epoch)] == order
+        assert [b.example_ids.tolist() for b in source.batches(epoch, start=3)] == order[3:]
+    # stopping early (end of training) leaves no reader behind
+    it = source.batches(0)
+    next(it)
+    it.close()
 
-    def read(groups):
-        reads.append([list(g) for g in groups])
-        return [{"ids": torch.tensor(g), "x": torch.tensor(g, dtype=torch.float32).unsqueeze(1)} for g in groups]
 
-    seen: list[list[int]] = []
-    calls = {"n": 0, "crash_at": 7}
+def test_a_crashed_distill_resumes_to_the_same_student(caches, examples, tmp_path, monkeypatch):
+    cache = caches("answer", "bfloat16")
+    recipe = DistillRecipe(student="micro", max_train=48, max_val=10)
+    config = {"epochs": 2, "batch_size": 8, "checkpoint_every": 2, "progress": False, "seed": 3}
+    distill(cache, examples.root, tmp_path / "a", recipe, config)
 
-    def loss(model, batch):
+    from c2kd.student import objective
+
+    real, calls = objective.OBJECTIVES["c2kd"], {"n": 0}
+
+    def crashing(model, batch):
         calls["n"] += 1
-        if calls["n"] == calls["crash_at"]:
-            raise RuntimeError("simulated crash")
-        seen.append(batch["ids"].tolist())
-        return {"loss": model(batch["x"] / 100).pow(2).mean()}
+        if calls["n"] == 9:
+            raise KeyboardInterrupt
+        return real(model, batch)
 
-    def run():
-        torch.manual_seed(0)
-        model = torch.nn.Linear(1, 1)
-        config = TrainConfig(out_dir=tmp_path / "run", epochs=3, batch_size=8, grad_accum=1, checkpoint_every=2,
-                             seed=5, progress=False, log_every=1)
-        reader = ReadAhead(read, ids, config.batch_size, config.seed, planned_epochs(config, len(ids)), group=4)
-        try:
-            train(model, loss, CachedExamples(ids), reader, None, None, config)
-        finally:
-            reader.close()
-        return reader
-
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        run()
-    calls["crash_at"] = -1
-    resumed = run()
-    # every batch the loss saw is the one the trainer asked for (its order, with the ids mapped)
-    expected = [[int(ids[i]) for i in b] for e in range(3) for b in epoch_batches(len(ids), 8, 5, e)]
-    assert seen == expected  # 6 steps, the crash, then steps 7..15 resumed from the step-6 checkpoint
-    assert resumed.misses == 1 and resumed.hits == 8  # only the resumed run's first call waits for its read
-    assert [len(r) for r in reads[-3:]] == [1, 4, 4]  # then two reads of 4 micro-batches each
+    monkeypatch.setitem(objective.OBJECTIVES, "c2kd", crashing)
+    with pytest.raises(KeyboardInterrupt):
+        distill(cache, examples.root, tmp_path / "b", recipe, config)
+    monkeypatch.setitem(objective.OBJECTIVES, "c2kd", real)
+    record = distill(cache, examples.root, tmp_path / "b", recipe, config)
+    assert record["timings"]["resumed_from_step"] == 8
+    a, b = RecLM.load(tmp_path / "a"), RecLM.load(tmp_path / "b")
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
 
 
 def test_grouped_reads_give_the_same_batches_as_single_reads(caches):
     cache = TeacherCache.open(caches("answer", "bfloat16", "topk:4"))
     ids = cache.split_ids("train")[:20].tolist()
     groups = [ids[:7], ids[7:8], ids[8:20]]
-    for reads in (stage2_reads(cache, DistillRecipe(), cache.spec.layers),
-                  stage1_reads(cache, cache.spec.layers)):
-        together = reads(groups)
+    for kw in ({"layers": cache.spec.layers}, {"layers": [], "final_hidden": False, "logits": False}):
+        together = cache.get_batches(groups, **kw)
         for g, batch in zip(groups, together):
-            alone = reads([g])[0]
-            assert alone.keys() == batch.keys()
-            for key, value in alone.items():
-                if isinstance(value, dict):
-                    assert all(torch.equal(value[l], batch[key][l]) for l in value), key
-                else:
-                    assert torch.equal(value, batch[key]), key
+            alone = cache.get(g, **kw)
+            for field in ("input_ids", "labels", "answer_positions", "answer_mask", "final_hidden", "topk_values"):
+                x, y = getattr(alone, field), getattr(batch, field)
+                assert (x is None and y is None) or torch.equal(x, y), field
+            assert alone.hidden.keys() == batch.hidden.keys()
+            assert all(torch.equal(alone.hidden[l], batch.hidden[l]) for l in alone.hidden)

@@ -16,10 +16,15 @@ from c2kd.pipeline.examples import load_examples, target_indices
 from c2kd.recmodel.model import RecLM
 from c2kd.recmodel.prompts import PromptEncoder, collate, encode_frame
 from c2kd.recmodel.tokenizer import build_word_tokenizer
-from c2kd.student.evaluate import evaluate_reclm, generate_answers, left_pad, rank_scores, RecLMEvaluator
+from c2kd.evaluate import evaluate_reclm, generate_answers, left_pad, rank_scores, RecLMEvaluator
 
 NUM_ITEMS = 30
 WORDS = ["red", "blue", "green", "night", "day", "city", "river", "star", "king", "dream"]
+
+
+def _unlabelled(batch: dict) -> dict:
+    """A collated batch without labels: the model then returns logits at every position."""
+    return {k: v for k, v in batch.items() if k != "labels"}
 
 
 def _titles() -> list[str]:
@@ -110,7 +115,7 @@ def _naive_llara_scores(model: RecLM, encoder: PromptEncoder, history, candidate
         for c in candidates:
             e = encoder.encode(0, history, candidates, c)
             batch = collate([e], encoder.pad_id)
-            logprobs = model(**batch).logits[0].log_softmax(-1)
+            logprobs = model(**_unlabelled(batch)).logits[0].log_softmax(-1)
             answer = range(e.prompt_length, len(e))
             scores.append(sum(float(logprobs[p - 1, e.input_ids[p]]) for p in answer))
     return torch.tensor(scores)
@@ -137,7 +142,7 @@ def test_ids_scores_are_the_answer_position_logits(examples, tokenizer, item_emb
     prompts = encode_frame(encoder, frame, with_target=False)
     got = rank_scores(model, encoder, prompts, torch.tensor(frame["candidates"].to_list()))
     with torch.no_grad():  # right-padded, as in training
-        logits = model(**collate(prompts, encoder.pad_id)).logits
+        logits = model(**_unlabelled(collate(prompts, encoder.pad_id))).logits
     for row, e in enumerate(prompts):
         expected = logits[row, e.prompt_length - 1, model.item_token_ids]
         torch.testing.assert_close(got.full_catalog[row, 1:], expected[1:], atol=1e-4, rtol=1e-4)
@@ -156,7 +161,7 @@ def test_greedy_generation_equals_naive_decoding(examples, tokenizer, item_embed
             ids, slots, expected = list(e.input_ids), list(e.slot_items), []
             for _ in range(6):
                 batch = collate([type(e)(0, ids, slots, [-100] * len(ids), len(ids))], encoder.pad_id)
-                token = int(model(**batch).logits[0, -1].argmax())
+                token = int(model(**_unlabelled(batch)).logits[0, -1].argmax())
                 if token == eos:
                     break
                 expected.append(token)

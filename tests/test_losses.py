@@ -19,14 +19,9 @@ from c2kd.student.c2kd_modules import (
     teacher_logits,
     uniform_layer_map,
 )
-from c2kd.student.losses import (
-    answer_mask,
-    cross_head_kd_loss,
-    feature_loss,
-    lm_loss,
-    logit_kd_loss,
-    orth_loss,
-)
+from c2kd.recmodel.prompts import answer_index, answer_mask
+from c2kd.student.c2kd_modules import routed_feature_loss
+from c2kd.student.losses import cross_head_kd_loss, feature_loss, logit_kd_loss, orth_loss
 
 
 @pytest.fixture(autouse=True)
@@ -40,28 +35,15 @@ def _pad_tokens(x: torch.Tensor, extra: int, fill: float = 7.0) -> torch.Tensor:
     return torch.cat([x, junk], dim=1)
 
 
-# ---------------------------------------------------------------- answer mask and LM loss
+# ---------------------------------------------------------------- answer positions
 
 
 def test_answer_mask_marks_positions_that_predict_answer_tokens():
     labels = torch.tensor([[-100, -100, 5, 6, -100], [-100, 3, -100, -100, -100]])
     expected = torch.tensor([[False, True, True, False, False], [True, False, False, False, False]])
     assert torch.equal(answer_mask(labels), expected)
-
-
-def test_lm_loss_matches_shifted_cross_entropy():
-    logits = torch.randn(2, 5, 11)
-    labels = torch.tensor([[-100, -100, 5, 6, -100], [-100, 3, -100, -100, -100]])
-    # reference: predict token p+1 from position p, ignore -100
-    ref = F.cross_entropy(logits[:, :-1].reshape(-1, 11), labels[:, 1:].reshape(-1), ignore_index=-100)
-    assert torch.allclose(lm_loss(logits, labels), ref, atol=1e-6)
-
-
-def test_lm_loss_ignores_padding():
-    logits = torch.randn(2, 5, 11)
-    labels = torch.tensor([[-100, -100, 5, 6, -100], [-100, 3, -100, -100, -100]])
-    padded_labels = torch.cat([labels, torch.full((2, 3), -100)], dim=1)
-    assert torch.allclose(lm_loss(logits, labels), lm_loss(_pad_tokens(logits, 3), padded_labels), atol=1e-6)
+    positions, mask = answer_index(labels)
+    assert positions.tolist() == [[1, 2], [0, 0]] and mask.tolist() == [[True, True], [True, False]]
 
 
 # ---------------------------------------------------------------- feature loss
@@ -205,13 +187,13 @@ def test_stage1_loss_is_sum_of_per_layer_cross_entropies():
     ref = sum(
         F.cross_entropy(filters.head(filters.norm(hidden[l] @ filters.filters[str(l)].weight.T)), labels) for l in (2, 4)
     )
-    assert torch.allclose(filters.stage1_loss(hidden, labels), ref, atol=1e-6)
+    assert torch.allclose(torch.stack(list(filters(hidden, labels).values())).sum(), ref, atol=1e-6)
 
 
 def test_stage1_gradients_reach_every_filter_the_norm_and_the_head():
     filters = LayerFilters([2, 4], d_t=12, d_s=6, vocab=9)
     hidden = {l: torch.randn(5, 12) for l in (2, 4)}  # cached teacher states: plain data
-    filters.stage1_loss(hidden, torch.randint(0, 9, (5,))).backward()
+    torch.stack(list(filters(hidden, torch.randint(0, 9, (5,))).values())).sum().backward()
     names = {n for n, p in filters.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
     assert names == {"filters.2.weight", "filters.4.weight", "norm.weight", "head.weight"}
 
@@ -322,3 +304,18 @@ def test_uniform_layer_map_names_missing_layers():
         uniform_layer_map(3, 6, [5, 6])
     with pytest.raises(C2KDError, match="at least 2 layers"):
         uniform_layer_map(1, 6, [3])
+
+
+@pytest.mark.parametrize("mode", ["top1", "fixed:3"])
+def test_one_hot_routing_computes_one_feature_loss_equal_to_the_weighted_sum(mode):
+    h_s = torch.randn(4, 6, 8)
+    projected = {l: torch.randn(4, 6, 8) for l in (2, 3, 5)}
+    mask = torch.ones(4, 6, dtype=torch.bool)
+    mask[1, 4:] = False
+    routing = route(h_s, projected, mask, mode)
+    assert routing.one_hot
+    weighted = sum(feature_loss(h_s, projected[l], mask, example_weight=routing.weights[:, k])
+                   for k, l in enumerate(routing.layers))
+    torch.testing.assert_close(routed_feature_loss(h_s, projected, mask, routing), weighted)
+    soft = route(h_s, projected, mask, "soft")
+    assert not soft.one_hot

@@ -13,7 +13,7 @@ from c2kd.errors import C2KDError, DataError
 from c2kd.recmodel.layers import late_layers
 from c2kd.recmodel.model import RecLM
 from c2kd.recmodel.presets import PRESETS, get_preset
-from c2kd.recmodel.prompts import IGNORE, PromptEncoder, answer_positions, collate, encode_frame
+from c2kd.recmodel.prompts import IGNORE, PromptEncoder, answer_mask, collate, encode_frame
 from c2kd.recmodel.tokenizer import SLOT, add_item_tokens, build_word_tokenizer, item_token
 
 TITLES = ["", "Toy Story", "GoldenEye", "Four Rooms", "Schindler's List", "Star Wars", "Usual Suspects"] + [
@@ -107,12 +107,13 @@ def test_encoding_lines_up(tokenizer, fmt):
     assert answer[-1] == tokenizer.eos_token_id
     assert e.input_ids[0] == tokenizer.bos_token_id
     slotted = [(p, item) for p, item in enumerate(e.slot_items) if item]
-    assert [item for _, item in slotted] == history + candidates  # in prompt order
+    # in prompt order; in ids every item token carries its item, the answer's too
+    assert [item for _, item in slotted] == history + candidates + ([target] if fmt == "ids" else [])
     slot_id = tokenizer.convert_tokens_to_ids(SLOT)
     for p, item in slotted:
         expected = tokenizer.convert_tokens_to_ids(item_token(item)) if fmt == "ids" else slot_id
         assert e.input_ids[p] == expected
-        assert p < e.prompt_length
+        assert p < e.prompt_length or (fmt == "ids" and p == e.prompt_length)
     if fmt == "ids":
         assert answer == [tokenizer.convert_tokens_to_ids(item_token(5)), tokenizer.eos_token_id]
         assert tokenizer.decode(e.input_ids[: e.prompt_length]).endswith("next :")
@@ -145,7 +146,7 @@ def test_collate_right_pads_and_answer_positions(tokenizer):
         assert batch["input_ids"][row, :n].tolist() == e.input_ids
         assert (batch["input_ids"][row, n:] == enc.pad_id).all()
         assert (batch["labels"][row, n:] == IGNORE).all() and (batch["slot_items"][row, n:] == 0).all()
-        pos = answer_positions(batch["labels"])[row].nonzero().flatten().tolist()
+        pos = answer_mask(batch["labels"])[row].nonzero().flatten().tolist()
         # the last prompt token predicts the first answer token, ..., the last answer token predicts nothing
         assert pos == list(range(e.prompt_length - 1, n - 1))
 
@@ -196,9 +197,14 @@ def test_loss_counts_answer_tokens_only(tokenizer, item_embeddings, fmt):
     enc = PromptEncoder(tokenizer, fmt, TITLES)
     _, batch = _batch(enc)
     out = model(**batch)
-    mask = answer_positions(batch["labels"])
+    mask = answer_mask(batch["labels"])
     next_tokens = batch["input_ids"][:, 1:][mask[:, :-1]]
-    manual = F.cross_entropy(out.logits[mask], next_tokens)
+    # the head ran at the answer positions only, and gives what the head everywhere gives there
+    with torch.no_grad():
+        everywhere = model(batch["input_ids"], batch["attention_mask"], batch["slot_items"]).logits
+    assert out.logits.shape == (int(mask.sum()), len(tokenizer))
+    torch.testing.assert_close(out.logits, everywhere[mask])
+    manual = F.cross_entropy(everywhere[mask], next_tokens)
     torch.testing.assert_close(out.loss, manual)
     # the prompt tokens do not matter to the loss once they are labelled -100 ...
     assert mask.sum() == sum(len(enc.answer_ids(t)) for t in (5, 30))
@@ -207,12 +213,12 @@ def test_loss_counts_answer_tokens_only(tokenizer, item_embeddings, fmt):
 def test_hidden_states_layout(tokenizer, item_embeddings):
     model = RecLM.from_preset("micro", tokenizer, item_embeddings, "ids")
     _, batch = _batch(PromptEncoder(tokenizer, "ids", TITLES))
-    out = model(**batch, output_hidden_states=True)
+    out = model(batch["input_ids"], batch["attention_mask"], batch["slot_items"], output_hidden_states=True)
     assert len(out.hidden_states) == model.num_layers + 1
     # index L is final-normed; the LM head applied to it gives the logits
-    torch.testing.assert_close(out.hidden_states[-1] @ model.lm_head_weight.T, out.logits)
+    torch.testing.assert_close(out.hidden_states[-1] @ model.effective_head_weight().T, out.logits)
     assert model.item_token_ids.tolist()[1:] == [tokenizer.convert_tokens_to_ids(item_token(i)) for i in range(1, N + 1)]
-    assert model.lm_head_weight.shape == (len(tokenizer), model.hidden_size)
+    assert model.effective_head_weight().shape == (len(tokenizer), model.hidden_size) and model.vocab_size == len(tokenizer)
     assert isinstance(model.final_norm, torch.nn.Module)
 
 

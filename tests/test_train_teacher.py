@@ -18,7 +18,7 @@ from c2kd.pipeline.sasrec import SASRecTrainConfig, load_item_embeddings, train_
 from c2kd.pipeline.teacher import LoraSettings, TeacherRecipe, build_model, train_teacher
 from c2kd.run_folder import partial_dir
 from c2kd.recmodel.model import RecLM
-from c2kd.student.evaluate import RecLMEvaluator
+from c2kd.evaluate import RecLMEvaluator
 
 FAST = ["--model", "micro", "--max-train", "40", "--batch-size", "8", "--epochs", "2", "--max-val", "16",
         "--checkpoint-every", "3", "--lr", "3e-3", "--no-progress"]

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from c2kd.errors import C2KDError
-from c2kd.training import TrainConfig, epoch_batches, latest_checkpoint, read_log, train
+from c2kd.training import ExampleBatches, TrainConfig, epoch_batches, latest_checkpoint, read_log, train
 
 HERE = Path(__file__).resolve()
 N_TRAIN, N_VAL, DIM, CLASSES = 48, 32, 8, 4
@@ -64,9 +64,19 @@ def config(out: Path, **kw) -> TrainConfig:
     return TrainConfig(**base)
 
 
+def source(data: list, cfg: TrainConfig, collate_fn=collate) -> ExampleBatches:
+    return ExampleBatches(data, collate_fn, cfg.batch_size, cfg.seed)
+
+
+def batches(data: list, collate_fn=collate) -> ExampleBatches:
+    """The batch source of `config()`'s batch size and seed."""
+    return source(data, config(Path(".")), collate_fn)
+
+
 def run(out: Path, *, dropout: float = 0.2, loss=loss_fn, **kw):
     model = toy_model(dropout)
-    result = train(model, loss, toy_data(N_TRAIN, seed=1), collate, accuracy, "neg_loss", config(out, **kw))
+    cfg = config(out, **kw)
+    result = train(model, loss, source(toy_data(N_TRAIN, seed=1), cfg), accuracy, "neg_loss", cfg)
     return model, result
 
 
@@ -125,11 +135,27 @@ def test_each_epoch_sees_every_example_once_in_a_new_order(tmp_path):
     assert epochs[0] != epochs[1] != epochs[2]
 
 
-def test_custom_batch_order_is_followed_and_resumes_exactly(tmp_path):
-    def order(epoch):  # e.g. a shard-local order: contiguous blocks, block order from the epoch
+class BlockSource:
+    """A custom batch source: contiguous blocks of 8, the block order rotated by the epoch."""
+
+    def __init__(self, data: list):
+        self.data, self.num_examples = data, len(data)
+        self.calls: list[tuple[int, int]] = []
+
+    def __len__(self) -> int:
+        return N_TRAIN // 8
+
+    def order(self, epoch: int) -> list[list[int]]:
         blocks = [list(range(i, i + 8)) for i in range(0, N_TRAIN, 8)]
         return blocks[epoch % 6 :] + blocks[: epoch % 6]
 
+    def batches(self, epoch: int, start: int = 0):
+        self.calls.append((epoch, start))
+        for idx in self.order(epoch)[start:]:
+            yield collate([self.data[i] for i in idx])
+
+
+def test_a_batch_source_is_followed_and_resumed_by_position(tmp_path):
     seen: list[list[int]] = []
 
     def loss(model, batch):
@@ -137,15 +163,18 @@ def test_custom_batch_order_is_followed_and_resumes_exactly(tmp_path):
         return loss_fn(model, batch)
 
     def go(out, loss):
-        model = toy_model()
-        train(model, loss, toy_data(N_TRAIN, 1), collate, accuracy, "neg_loss", config(out), batch_order=order)
-        return model
+        model, data = toy_model(), BlockSource(toy_data(N_TRAIN, 1))
+        train(model, loss, data, accuracy, "neg_loss", config(out))
+        return model, data
 
-    ref = go(tmp_path / "a", loss)
-    assert seen[:6] == order(0) and seen[6:12] == order(1)
+    ref, data = go(tmp_path / "a", loss)
+    assert seen[:6] == data.order(0) and seen[6:12] == data.order(1)
+    assert data.calls == [(e, 0) for e in range(4)]  # asked once per epoch, from its start
     with pytest.raises(Crash):
-        go(tmp_path / "b", crash_on_call(11))
-    assert same_weights(ref, go(tmp_path / "b", loss_fn))
+        go(tmp_path / "b", crash_on_call(11))  # micro-batch 11 = step 6 (epoch 1, position 4); checkpoint at step 4
+    resumed, data = go(tmp_path / "b", loss_fn)
+    assert data.calls[0] == (1, 2)  # resumed in epoch 1 at micro-batch 2 (steps are 2 micro-batches)
+    assert same_weights(ref, resumed)
 
 
 def test_resume_after_crash_is_bitwise_identical(tmp_path):
@@ -179,7 +208,7 @@ def test_resume_refuses_other_settings(tmp_path):
         model = toy_model()
         with torch.no_grad():
             model[0].bias.add_(1.0)
-        train(model, loss_fn, toy_data(N_TRAIN, 1), collate, accuracy, "neg_loss", config(tmp_path),
+        train(model, loss_fn, batches(toy_data(N_TRAIN, 1), collate), accuracy, "neg_loss", config(tmp_path),
               trainable_parameters=list(model[3].parameters()) + [model[0].weight])
     assert latest_checkpoint(tmp_path).name == "step-000004"
 
@@ -217,7 +246,7 @@ def test_best_state_is_chosen_on_validation(tmp_path):
         return {"score": next(scripted)}
 
     model = toy_model()
-    result = train(model, loss_fn, toy_data(N_TRAIN, 1), collate, evaluate, "score", config(tmp_path))
+    result = train(model, loss_fn, batches(toy_data(N_TRAIN, 1), collate), evaluate, "score", config(tmp_path))
     assert (result.best_step, result.best_metric) == (6, 0.9)
     assert json.loads((tmp_path / "best" / "best.json").read_text())["step"] == 6
     assert all(torch.equal(v, snapshots[6][k]) for k, v in model.state_dict().items())  # best weights loaded back
@@ -233,7 +262,7 @@ def test_log_lines_and_epoch_hook(tmp_path):
         return {"hook_value": epoch * 10}
 
     model = toy_model()
-    train(model, loss_fn, toy_data(N_TRAIN, 1), collate, accuracy, "accuracy", config(tmp_path, log_every=2),
+    train(model, loss_fn, batches(toy_data(N_TRAIN, 1), collate), accuracy, "accuracy", config(tmp_path, log_every=2),
           on_epoch_end=hook)
     lines = read_log(tmp_path, "train")
     assert [r["step"] for r in lines] == [2, 4, 6, 8, 10, 12]
@@ -255,7 +284,7 @@ def test_tokens_per_second_is_logged_for_masked_batches(tmp_path):
         batch["attention_mask"] = torch.ones(len(examples), 5, dtype=torch.long)
         return batch
 
-    train(toy_model(), loss_fn, toy_data(16, 1), collate_masked, None, None,
+    train(toy_model(), loss_fn, batches(toy_data(16, 1), collate_masked), None, None,
           config(tmp_path, epochs=1, grad_accum=1, log_every=1))
     lines = read_log(tmp_path, "train")
     assert len(lines) == 2 and all(r["tokens_per_s"] > 0 for r in lines)
@@ -278,9 +307,9 @@ def test_bad_settings_are_refused(tmp_path):
         with pytest.raises(C2KDError):
             config(tmp_path, **bad)
     with pytest.raises(C2KDError, match="select_metric"):
-        train(toy_model(), loss_fn, toy_data(8, 1), collate, accuracy, None, config(tmp_path))
+        train(toy_model(), loss_fn, batches(toy_data(8, 1), collate), accuracy, None, config(tmp_path))
     with pytest.raises(C2KDError, match="no training examples"):
-        train(toy_model(), loss_fn, [], collate, accuracy, "accuracy", config(tmp_path))
+        train(toy_model(), loss_fn, batches([], collate), accuracy, "accuracy", config(tmp_path))
 
 
 def test_bf16_autocast_on_cpu_trains(tmp_path):
@@ -292,7 +321,7 @@ def test_bf16_autocast_on_cpu_trains(tmp_path):
 def test_frozen_parameters_are_not_trained_nor_saved(tmp_path):
     model = toy_model()
     first = {k: v.clone() for k, v in model[0].state_dict().items()}
-    train(model, loss_fn, toy_data(N_TRAIN, 1), collate, accuracy, "accuracy", config(tmp_path, epochs=1),
+    train(model, loss_fn, batches(toy_data(N_TRAIN, 1), collate), accuracy, "accuracy", config(tmp_path, epochs=1),
           trainable_parameters=list(model[3].parameters()))
     assert all(torch.equal(v, first[k]) for k, v in model[0].state_dict().items())
     saved = torch.load(latest_checkpoint(tmp_path) / "model.pt", weights_only=True)

@@ -46,11 +46,29 @@ class CachedBatch:
         """[B, T] or [B, A] bool mask of the rows of `hidden` that are real."""
         return self.attention_mask.bool() if self.positions == "all" else self.answer_mask
 
-    def at_answers(self, x: torch.Tensor) -> torch.Tensor:
-        """Rows of a per-token tensor x [B, T, ...] at the answer positions: [B, A, ...]."""
-        index = self.answer_positions.to(x.device)
+    def at_answers(self, x: torch.Tensor, shift: int = 0) -> torch.Tensor:
+        """Rows of a per-token tensor x [B, T, ...] at the answer positions (+ shift): [B, A, ...]."""
+        index = (self.answer_positions + shift).to(x.device)
         index = index.view(*index.shape, *([1] * (x.ndim - 2))).expand(*index.shape, *x.shape[2:])
         return torch.gather(x, 1, index)
+
+    def answer_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The real answer rows of a per-token tensor x [B, T, ...]: [N, ...], batch-major."""
+        return self.at_answers(x)[self.answer_mask.to(x.device)]
+
+    def hidden_at_answers(self, layer: int) -> torch.Tensor:
+        """[N, d]: a cached layer's states at the real answer positions, whatever `positions` is."""
+        h = self.hidden[layer]
+        return self.answer_rows(h) if self.positions == "all" else h[self.answer_mask.to(h.device)]
+
+    def answer_targets(self) -> torch.Tensor:
+        """[N]: the token each real answer position predicts (labels[p + 1])."""
+        return self.at_answers(self.labels, shift=1)[self.answer_mask.to(self.labels.device)]
+
+    def kept_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """A per-token tensor x [B, T, ...] on the rows the cache keeps hidden states for: all
+        tokens [B, T, ...] or the answer positions [B, A, ...] (mask: `hidden_mask`)."""
+        return x if self.positions == "all" else self.at_answers(x)
 
     def _map(self, fn) -> CachedBatch:
         changes = {}

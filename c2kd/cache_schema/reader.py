@@ -61,6 +61,7 @@ class TeacherCache:
         self.location = location
         self.manifest = manifest
         self.spec = S.CacheSpec.from_dict(manifest["spec"])
+        self.layout = S.array_layout(self.spec)
         self.index = index
         self._shard_entries = {int(s["shard"]): s for s in manifest["shards"]}
         ids = index["example_id"].to_numpy()
@@ -194,7 +195,7 @@ class TeacherCache:
             except _DECODE_ERRORS as e:
                 raise CacheError(f"{self.location}/{rel}: array {name} cannot be opened ({e}); run `c2kd cache verify`") from e
             rows = {"tokens": entry["tokens"], "answers": entry["answers"], "examples": entry["examples"]}
-            expected = rows[self.manifest["arrays"][name]["rows"]]
+            expected = rows[self.layout[name]["rows"]]
             if arr.shape[0] != expected:
                 raise CacheError(f"{self.location}/{rel}: array {name} has {arr.shape[0]} rows, manifest says {expected}")
             self._handles[key] = arr
@@ -232,60 +233,86 @@ class TeacherCache:
         logits: bool = True,
     ) -> CachedBatch:
         """The cached tensors of these examples, in this order (see CachedBatch for the shapes)."""
-        if isinstance(example_ids, torch.Tensor):
-            example_ids = example_ids.cpu().numpy()
-        ids = np.asarray(example_ids, dtype=np.int64).reshape(-1)
-        layers = self.spec.layers if layers is None else tuple(int(x) for x in layers)
-        lacking = sorted(set(layers) - set(self.spec.layers))
+        return self.get_batches([example_ids], layers=layers, final_hidden=final_hidden, logits=logits)[0]
+
+    def get_batches(
+        self,
+        groups: Sequence[Sequence[int] | np.ndarray | torch.Tensor],
+        *,
+        layers: Sequence[int] | None = None,
+        final_hidden: bool = True,
+        logits: bool = True,
+    ) -> list[CachedBatch]:
+        """One CachedBatch per group of example ids, each padded to its own longest example, read
+        together: a read costs about the same for 16 or 128 examples (the cost is per shard and
+        array touched), so a caller wanting several batches asks for them at once."""
+        spec = self.spec
+        layers = spec.layers if layers is None else tuple(int(x) for x in layers)
+        lacking = sorted(set(layers) - set(spec.layers))
         if lacking:
-            raise CacheError(f"{self.location}: layers {lacking} are not cached (cached: {list(self.spec.layers)})")
+            raise CacheError(f"{self.location}: layers {lacking} are not cached (cached: {list(spec.layers)})")
+        ids_per_group = [np.asarray(torch.as_tensor(g).cpu().numpy() if isinstance(g, torch.Tensor) else g,
+                                    dtype=np.int64).reshape(-1) for g in groups]
+        ids = np.concatenate(ids_per_group) if ids_per_group else np.zeros(0, dtype=np.int64)
         rows = self._rows(ids)
-        c = self._col
-        b = len(ids)
-        tok_len, ans_len = c["token_length"][rows], c["answer_length"][rows]
-        t_max, a_max = int(tok_len.max(initial=0)), int(ans_len.max(initial=0))
-        d, spec = self.spec.hidden_size, self.spec
-        policy = spec.logits_policy
-        pad_id = int(spec.pad_token_id)
-
-        ints = {
-            S.INPUT_IDS: np.full((b, t_max), pad_id, dtype=np.int64),
-            S.SLOT_ITEMS: np.zeros((b, t_max), dtype=np.int64),
-            S.LABELS: np.full((b, t_max), S.IGNORE_INDEX, dtype=np.int64),
-            S.ANSWER_POSITIONS: np.zeros((b, a_max), dtype=np.int64),
-        }
-        store_dt = np.dtype(spec.storage_dtype)
-        hid_rows = t_max if spec.positions == "all" else a_max
-        floats: dict[str, np.ndarray] = {S.hidden_array(layer): np.zeros((b, hid_rows, d), store_dt) for layer in layers}
+        names = [S.INPUT_IDS, S.SLOT_ITEMS, S.LABELS, S.ANSWER_POSITIONS, *(S.hidden_array(l) for l in layers)]
         if final_hidden:
-            floats[S.FINAL_HIDDEN] = np.zeros((b, a_max, d), store_dt)
-        if logits and policy.kind == "topk":
-            floats[S.TOPK_VALUES] = np.zeros((b, a_max, policy.k), store_dt)
-            ints[S.TOPK_INDICES] = np.zeros((b, a_max, policy.k), dtype=np.int64)
-        if logits and policy.kind == "full":
-            floats[S.FULL_LOGITS] = np.zeros((b, a_max, spec.vocab_size), store_dt)
+            names.append(S.FINAL_HIDDEN)
+        if logits:
+            names += [n for n in (S.TOPK_VALUES, S.TOPK_INDICES, S.FULL_LOGITS) if n in self.layout]
+        per_example = self._read_examples(rows, names)
+        out, start = [], 0
+        for g in ids_per_group:
+            out.append(self._batch(g, rows[start : start + len(g)], {n: v[start : start + len(g)] for n, v in per_example.items()}, layers))
+            start += len(g)
+        return out
 
-        token_major = {S.INPUT_IDS, S.SLOT_ITEMS, S.LABELS}
-        if spec.positions == "all":
-            token_major |= {S.hidden_array(layer) for layer in layers}
+    def _read_examples(self, rows: np.ndarray, names: Sequence[str]) -> dict[str, list[np.ndarray]]:
+        """For each array name, each example's rows (in the order of `rows`), read shard by shard."""
+        c = self._col
+        out: dict[str, list] = {name: [None] * len(rows) for name in names}
         shards = c["shard"][rows]
         for shard in np.unique(shards):
             js = np.nonzero(shards == shard)[0]
             r = rows[js]
-            for name, out in (*ints.items(), *floats.items()):
-                if name in token_major:
-                    offsets, lengths = c["token_offset"][r], c["token_length"][r]
-                else:
-                    offsets, lengths = c["answer_offset"][r], c["answer_length"][r]
+            for name in names:
+                kind = self.layout[name]["rows"]
+                offsets, lengths = (c["token_offset"][r], c["token_length"][r]) if kind == "tokens" else \
+                    (c["answer_offset"][r], c["answer_length"][r])
                 data = self._fetch(int(shard), name, offsets, lengths)
                 start = 0
                 for j, n in zip(js, lengths):
-                    out[j, :n] = data[start : start + n]
+                    out[name][j] = data[start : start + n]
                     start += n
+        return out
+
+    def _batch(self, ids: np.ndarray, rows: np.ndarray, data: dict[str, list[np.ndarray]], layers: Sequence[int]) -> CachedBatch:
+        """Pad one group's examples into a CachedBatch (ints as int64, floats in the logical dtype)."""
+        c, spec = self._col, self.spec
+        tok_len, ans_len = c["token_length"][rows], c["answer_length"][rows]
+        t_max, a_max = int(tok_len.max(initial=0)), int(ans_len.max(initial=0))
+
+        def pad(name: str, fill: int = 0) -> np.ndarray | None:
+            if name not in data:
+                return None
+            parts = data[name]
+            info = self.layout[name]
+            width = t_max if info["rows"] == "tokens" else a_max
+            dtype = np.int64 if "storage_dtype" not in info else np.dtype(spec.storage_dtype)
+            out = np.full((len(parts), width, *info["columns"]), fill, dtype=dtype)
+            for j, part in enumerate(parts):
+                out[j, : len(part)] = part
+            return out
+
+        def floats(name: str) -> torch.Tensor | None:
+            arr = pad(name)
+            return None if arr is None else from_storage(arr, spec.dtype)
+
+        def ints(name: str, fill: int = 0) -> torch.Tensor | None:
+            arr = pad(name, fill)
+            return None if arr is None else torch.from_numpy(arr)
 
         attention = (np.arange(t_max)[None, :] < tok_len[:, None]).astype(np.int64)
-        answer_mask = np.arange(a_max)[None, :] < ans_len[:, None]
-        to_float = lambda name: from_storage(floats[name], spec.dtype) if name in floats else None  # noqa: E731
         return CachedBatch(
             positions=spec.positions,
             example_ids=torch.from_numpy(ids.copy()),
@@ -293,57 +320,18 @@ class TeacherCache:
             targets=torch.from_numpy(c["target"][rows].astype(np.int64)),
             candidates=torch.from_numpy(self._candidates[rows]),
             history=torch.from_numpy(self._history[rows]),
-            input_ids=torch.from_numpy(ints[S.INPUT_IDS]),
+            input_ids=ints(S.INPUT_IDS, int(spec.pad_token_id)),
             attention_mask=torch.from_numpy(attention),
-            slot_items=torch.from_numpy(ints[S.SLOT_ITEMS]),
-            labels=torch.from_numpy(ints[S.LABELS]),
-            answer_positions=torch.from_numpy(ints[S.ANSWER_POSITIONS]),
-            answer_mask=torch.from_numpy(answer_mask),
-            hidden={layer: from_storage(floats[S.hidden_array(layer)], spec.dtype) for layer in layers},
-            final_hidden=to_float(S.FINAL_HIDDEN),
-            topk_values=to_float(S.TOPK_VALUES),
-            topk_indices=torch.from_numpy(ints[S.TOPK_INDICES]) if S.TOPK_INDICES in ints else None,
-            full_logits=to_float(S.FULL_LOGITS),
+            slot_items=ints(S.SLOT_ITEMS),
+            labels=ints(S.LABELS, S.IGNORE_INDEX),
+            answer_positions=ints(S.ANSWER_POSITIONS),
+            answer_mask=torch.from_numpy(np.arange(a_max)[None, :] < ans_len[:, None]),
+            hidden={layer: floats(S.hidden_array(layer)) for layer in layers},
+            final_hidden=floats(S.FINAL_HIDDEN),
+            topk_values=floats(S.TOPK_VALUES),
+            topk_indices=ints(S.TOPK_INDICES),
+            full_logits=floats(S.FULL_LOGITS),
         )
-
-    # --- iteration order ----------------------------------------------------------------------
-    def batch_order(
-        self,
-        split: str,
-        batch_size: int,
-        seed: int,
-        epoch: int,
-        rank: int = 0,
-        world_size: int = 1,
-        drop_last: bool = False,
-    ) -> list[list[int]]:
-        """This rank's batches (lists of example ids) for one epoch, shuffled shard-locally.
-
-        The shard order and the example order inside each shard are shuffled with (seed, epoch);
-        batches are then cut from that sequence, so each batch reads one or two shards. Batch k
-        goes to rank k % world_size; when the batch count is not a multiple of world_size, the
-        first batches are repeated so every rank takes the same number of steps.
-        """
-        if batch_size <= 0 or world_size < 1 or not 0 <= rank < world_size:
-            raise CacheError(f"batch_order: bad batch_size {batch_size} / rank {rank} / world_size {world_size}")
-        if split not in self.spec.splits:
-            self.split_ids(split)  # raises the clear error
-        in_split = (self.index["split"] == split).to_numpy()
-        ids, shards = self.index["example_id"].to_numpy()[in_split], self._col["shard"][in_split]
-        by_shard = np.argsort(shards, kind="stable")
-        ids, shards = ids[by_shard], shards[by_shard]
-        starts = np.flatnonzero(np.r_[True, shards[1:] != shards[:-1]]) if len(shards) else np.zeros(0, dtype=np.int64)
-        ends = np.r_[starts[1:], len(shards)].astype(np.int64)
-        rng = np.random.default_rng([int(seed), int(epoch)])
-        sequence = [rng.permutation(ids[starts[k] : ends[k]]) for k in rng.permutation(len(starts))]
-        order = np.concatenate(sequence) if sequence else ids[:0]
-        batches = [order[i : i + batch_size].tolist() for i in range(0, len(order), batch_size)]
-        if drop_last and batches and len(batches[-1]) < batch_size:
-            batches.pop()
-        if batches and len(batches) % world_size:
-            batches += batches[: world_size - len(batches) % world_size]
-        return batches[rank::world_size]
-
 
 def _pad_lists(rows: list[list[int]]) -> np.ndarray:
     """Zero-padded [n, longest] int64 array of int lists (item 0 is padding)."""
@@ -352,16 +340,3 @@ def _pad_lists(rows: list[list[int]]) -> np.ndarray:
     for i, r in enumerate(rows):
         out[i, : len(r)] = r
     return out
-
-
-class CacheBatches(torch.utils.data.Dataset):
-    """A Dataset of whole batches: item k = cache.get(batches[k]); use DataLoader(batch_size=None)."""
-
-    def __init__(self, cache: TeacherCache, batches: Sequence[Sequence[int]], **get_kwargs: Any) -> None:
-        self.cache, self.batches, self.get_kwargs = cache, list(batches), get_kwargs
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-    def __getitem__(self, k: int) -> CachedBatch:
-        return self.cache.get(self.batches[k], **self.get_kwargs)

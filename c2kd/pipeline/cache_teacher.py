@@ -24,11 +24,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from c2kd import distributed
 from c2kd.cache_schema import CacheSpec, CacheWriter, ExampleRecord, fingerprint_files, fingerprint_tokenizer, plan_shards
 from c2kd.cache_schema.dtypes import TORCH_DTYPES
 from c2kd.cache_schema.plan import PlannedShard, ShardPlan
 from c2kd.cache_schema.records import answer_positions
+from c2kd.cache_schema.schema import Compression, LogitsPolicy, STORAGE_DTYPES, POSITIONS
 from c2kd.errors import C2KDError, CacheError
+from c2kd.recmodel import hf
 from c2kd.pipeline.examples import SPLITS, ExampleSet, load_examples
 from c2kd.pipeline.shard_writers import WRITERS, BatchOutputs, ShardJob, ShardWriter, start_shard_writer, to_records
 from c2kd.recmodel.layers import late_layers
@@ -51,18 +54,27 @@ class CacheTeacherSettings:
     device: str = "auto"  # auto: cuda:LOCAL_RANK when available, else cpu
     progress: bool = True
 
-
-# ---------------------------------------------------------------- distributed helpers
-
-
-def _dist_env() -> tuple[int, int, int]:
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
-
-
-def _device(name: str, local_rank: int) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
-    return torch.device(name)
+    def __post_init__(self) -> None:
+        """Every setting checked before anything is loaded or written."""
+        if not self.splits or len(set(self.splits)) != len(self.splits) or set(self.splits) - set(SPLITS):
+            raise C2KDError(f"--splits {','.join(self.splits)!r}: expected distinct names among {', '.join(SPLITS)}")
+        if self.layers is not None:
+            if not self.layers:
+                raise C2KDError("--layers: give at least one layer number, e.g. 24,26,28,30 (or leave it out)")
+            if len(set(self.layers)) != len(self.layers) or min(self.layers) < 1:
+                raise C2KDError(f"--layers {','.join(map(str, self.layers))}: expected distinct layer numbers >= 1")
+        if self.positions not in POSITIONS:
+            raise C2KDError(f"--positions {self.positions!r}: expected one of {', '.join(POSITIONS)}")
+        if self.dtype not in STORAGE_DTYPES:
+            raise C2KDError(f"--dtype {self.dtype!r}: expected one of {', '.join(STORAGE_DTYPES)}")
+        LogitsPolicy.parse(self.logits)
+        Compression.parse(self.compression)
+        for name in ("max_tokens_per_batch", "examples_per_shard", "queue_shards"):
+            if getattr(self, name) < 1:
+                raise C2KDError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.writer not in WRITERS:
+            raise C2KDError(f"--writer {self.writer!r}: expected one of {', '.join(WRITERS)}")
+        distributed.pick_device(self.device)
 
 
 # ---------------------------------------------------------------- the teacher side
@@ -89,11 +101,11 @@ class TeacherRunner:
     def __init__(self, model: RecLM, encoder: PromptEncoder, spec: CacheSpec, device: torch.device, max_tokens: int):
         self.model, self.encoder, self.spec, self.device = model, encoder, spec, device
         self.max_tokens = max_tokens
-        self.head = model.base_lm().get_output_embeddings()
-        if getattr(self.head, "bias", None) is not None:
+        if hf.logit_softcap(model.lm):
+            raise CacheError("the teacher soft-caps its logits; the cache's head(final state) cannot represent that")
+        if getattr(model.base_lm().get_output_embeddings(), "bias", None) is not None:
             raise CacheError("the teacher's LM head has a bias; the cache stores the head weight only")
         self.dtype = TORCH_DTYPES[spec.dtype]
-        self.final_needs_norm: bool | None = None  # decided on the first batch (see _final_states)
         self.forward_seconds = 0.0
 
     def encode(self, rows: Sequence[dict]) -> list[EncodedExample]:
@@ -104,45 +116,23 @@ class TeacherRunner:
 
     @torch.inference_mode()
     def forward(self, examples: Sequence[EncodedExample]):
-        """The bare teacher forward of one batch (hidden states; logits of the last position only)."""
+        """The bare teacher forward of one batch: every layer's states, no LM head at all."""
         t = collate(examples, self.encoder.pad_id)
         start = time.perf_counter()
-        out = self.model(
-            input_ids=t["input_ids"].to(self.device),
-            attention_mask=t["attention_mask"].to(self.device),
-            slot_items=t["slot_items"].to(self.device),
-            output_hidden_states=True,
-            logits_to_keep=1,  # full [B, T, V] logits are never materialised; see _final_states
-        )
+        out = self.model.decode(t["input_ids"].to(self.device), t["attention_mask"].to(self.device),
+                                t["slot_items"].to(self.device), output_hidden_states=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.forward_seconds += time.perf_counter() - start
         return out
 
-    def _final_states(self, out) -> torch.Tensor:
-        """[B, T, d] post-final-norm states. Hugging Face Llama-style models put them at
-        hidden_states[L]; this is checked once against the model's own logits (last position),
-        and the final norm is applied when the model returns the pre-norm state instead."""
-        last = out.hidden_states[self.model.num_layers]
-        if self.final_needs_norm is None:
-            ref = out.logits[:, -1].float()
-            as_is = (self.head(last[:, -1]).float() - ref).abs().max().item()
-            normed = (self.head(self.model.final_norm(last[:, -1])).float() - ref).abs().max().item()
-            tol = 1e-2 * max(1.0, ref.abs().max().item())
-            if min(as_is, normed) > tol:
-                raise CacheError(
-                    f"cannot reproduce the teacher's logits as head(final hidden state) (error {min(as_is, normed):.3g}); "
-                    "this model family post-processes its logits, which the cache cannot represent"
-                )
-            self.final_needs_norm = normed < as_is
-        return self.model.final_norm(last) if self.final_needs_norm else last
-
     @torch.inference_mode()
     def run_batch(self, examples: Sequence[EncodedExample], indices: Sequence[int]) -> BatchOutputs:
-        """Teacher forward of one batch; what the cache keeps, cast to the cache dtype, on the CPU."""
+        """Teacher forward of one batch; what the cache keeps, cast to the cache dtype, on the CPU.
+        The final state is the one the head reads, so head(final_hidden) are the teacher's logits."""
         policy = self.spec.logits_policy
         out = self.forward(examples)
-        final = self._final_states(out)
+        final = out.last_hidden_state
         answers = [answer_positions(torch.tensor(e.labels)) for e in examples]
         counts = [len(a) for a in answers]
         b_idx = torch.repeat_interleave(torch.arange(len(examples)), torch.tensor(counts, dtype=torch.long)).to(self.device)
@@ -150,7 +140,7 @@ class TeacherRunner:
         final_rows = final[b_idx, p_idx]  # [N_answers, d]
         result = BatchOutputs(list(examples), list(indices), answers, counts, final_rows.to(self.dtype).cpu())
         if policy.kind != "exact":
-            logits = self.head(final_rows).float()
+            logits = self.model.head_logits(final_rows).float()
             if policy.kind == "topk":
                 top = logits.topk(policy.k, dim=-1)
                 result.topk_values, result.topk_indices = top.values.to(self.dtype).cpu(), top.indices.to(torch.int32).cpu()
@@ -186,7 +176,7 @@ def build_spec(model: RecLM, examples: ExampleSet, teacher_dir: Path, settings: 
     return CacheSpec(
         layers=tuple(sorted(set(layers))),
         hidden_size=model.hidden_size,
-        vocab_size=int(model.lm_head_weight.shape[0]),
+        vocab_size=model.vocab_size,
         dtype=settings.dtype,
         positions=settings.positions,
         logits=settings.logits,
@@ -210,7 +200,7 @@ def teacher_config(model: RecLM) -> dict:
         "lm_config": model.base_lm().config.to_dict(),
         "num_layers": model.num_layers,
         "hidden_size": model.hidden_size,
-        "vocab_size": int(model.lm_head_weight.shape[0]),
+        "vocab_size": model.vocab_size,
         "format": model.spec.format,
     }
 
@@ -242,17 +232,12 @@ def cache_teacher(
 ) -> dict:
     """Write (or finish) the teacher cache at `out`; returns a summary of this rank's work."""
     wall = time.perf_counter()
-    if settings.writer not in WRITERS:
-        raise C2KDError(f"--writer {settings.writer!r}: expected one of {', '.join(WRITERS)}")
-    rank, world_size, local_rank = _dist_env()
-    started_dist = False
-    if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() and settings.device != "cpu" else "gloo")
-        started_dist = True
+    rank, world_size, _ = distributed.dist_env()
+    device = distributed.pick_device(settings.device)
+    started_dist = distributed.init(device)
     # started first: its start-up (seconds of imports) overlaps with loading the teacher
     background = start_shard_writer(settings.writer, settings.queue_shards)
     try:
-        device = _device(settings.device, local_rank)
         teacher_dir = Path(teacher)
         examples = data if isinstance(data, ExampleSet) else load_examples(data)
         for split in settings.splits:
@@ -272,7 +257,7 @@ def cache_teacher(
         if writer.already_complete:
             return {**summary, "complete": True, "shards_written": 0, "examples": 0, "seconds": time.perf_counter() - wall}
         if rank == 0:
-            writer.write_assets(model.tokenizer, model.lm_head_weight.detach(), model.item_embeddings, teacher_config(model))
+            writer.write_assets(model.tokenizer, model.effective_head_weight(), model.item_embeddings, teacher_config(model))
         stats = write_shards(model, encoder, spec, plan, writer, rows_by_id(examples, settings.splits), device, settings,
                              rank, world_size, background=background)
         background = None  # closed by write_shards

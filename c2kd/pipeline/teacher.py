@@ -1,8 +1,9 @@
 """The `train-teacher` recipe: supervised fine-tuning of a recommender LM on its answer tokens.
 
-The same recipe trains a student alone (the SFT baseline): the model is just a smaller preset.
+The same recipe trains a student alone (the SFT baseline): a smaller preset, or a pretrained
+model shrunk with `--shrink` (see `c2kd.recmodel.build`).
 
-    data (prepared examples) + SASRec run (item embeddings) + model (preset | HF folder | GGUF)
+    data (prepared examples) + SASRec run (item embeddings) + model (preset | alias | HF folder | GGUF)
       -> RecLM -> PromptEncoder(train split) -> c2kd.training.train(loss = CE on answer tokens,
          best state by validation candidate-ranking NDCG@10) -> saved RecLM + train.json
 
@@ -25,15 +26,19 @@ import numpy as np
 import torch
 from torch import nn
 
+from c2kd.atomic import write_json
+from c2kd.distributed import dist_env
 from c2kd.errors import C2KDError
-from c2kd.run_folder import check_or_write_recipe, claim, publish, write_json
+from c2kd.evaluate import RecLMEvaluator
 from c2kd.pipeline.examples import ExampleSet, load_examples
 from c2kd.pipeline.sasrec import check_fingerprint, load_item_embeddings, read_run_config
+from c2kd.recmodel.build import build_model as build_reclm
+from c2kd.recmodel.build import check_source
 from c2kd.recmodel.model import RecLM
-from c2kd.recmodel.presets import PRESETS
 from c2kd.recmodel.prompts import EncodedExample, PromptEncoder, check_format, collate, encode_frame
 from c2kd.recmodel.tokenizer import build_word_tokenizer
-from c2kd.training import TrainConfig, TrainResult, distributed_info, train
+from c2kd.run_folder import check_or_write_recipe, claim, publish
+from c2kd.training import ExampleBatches, TrainConfig, TrainResult, train
 
 TRAIN_KIND = "c2kd-train"
 TRAIN_VERSION = 1
@@ -49,55 +54,62 @@ class LoraSettings:
     alpha: float | None = None  # default 2 * r
     dropout: float = 0.05
 
+    def __post_init__(self) -> None:
+        if self.r < 1:
+            raise C2KDError(f"--lora-r must be >= 1, got {self.r}")
+        if self.alpha is not None and self.alpha <= 0:
+            raise C2KDError(f"--lora-alpha must be positive, got {self.alpha}")
+        if not 0 <= self.dropout < 1:
+            raise C2KDError(f"--lora-dropout must be in [0, 1), got {self.dropout}")
+
 
 @dataclass(frozen=True)
 class TeacherRecipe:
     """What to train; `TrainConfig` (minus out_dir) says how."""
 
     fmt: str = "ids"
-    model: str = "tiny-teacher"  # a preset name, a Hugging Face folder, a .gguf file or a saved RecLM
+    model: str = "tiny-teacher"  # a preset, a pretrained alias, a Hugging Face folder, a .gguf file or a saved RecLM
+    shrink: str | None = None  # first:K | narrow:WIDTHxLAYERS (students of a pretrained model)
+    item_head: str = "token"  # token | hybrid (ids: item rows + projected SASRec embeddings)
     lora: LoraSettings | None = None
     max_train: int | None = None  # a seeded subset of the train split (CPU runs)
     max_val: int | None = None  # the first N validation examples for model selection
     select_metric: str = DEFAULT_SELECT_METRIC
     eval_batch_size: int = 32
 
+    def __post_init__(self) -> None:
+        check_format(self.fmt)
+        check_source(self.model, self.shrink, self.item_head)
+        for name in ("max_train", "max_val"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise C2KDError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+
 
 def build_model(recipe: TeacherRecipe, examples: ExampleSet, item_embeddings: torch.Tensor, seed: int) -> RecLM:
-    """The RecLM to train: a seeded preset with a word-level tokenizer over this catalog, or a
-    pretrained / saved model with item tokens added; LoRA adapters when asked."""
-    if recipe.model in PRESETS:
-        tokenizer = build_word_tokenizer(examples.titles()[1:], examples.num_items)
-        model = RecLM.from_preset(recipe.model, tokenizer, item_embeddings, recipe.fmt, seed=seed,
-                                  data_fingerprint=examples.fingerprint)
-    elif Path(recipe.model).exists():
-        model = RecLM.from_pretrained(recipe.model, item_embeddings, recipe.fmt, data_fingerprint=examples.fingerprint,
-                                      seed=seed)
-        if model.spec.data_fingerprint and model.spec.data_fingerprint != examples.fingerprint:
-            raise C2KDError(f"{recipe.model} was trained on other data (fingerprint {model.spec.data_fingerprint!r}, "
-                            f"{examples.root} has {examples.fingerprint!r})")
-    else:
-        raise C2KDError(f"--model {recipe.model!r}: neither a preset ({', '.join(PRESETS)}) nor an existing path")
+    """The RecLM to train (see `c2kd.recmodel.build`; presets get a word-level tokenizer over this
+    catalog); LoRA adapters when asked."""
+    model = build_reclm(recipe.model, fmt=recipe.fmt, item_embeddings=item_embeddings,
+                        data_fingerprint=examples.fingerprint, seed=seed, item_head=recipe.item_head,
+                        shrink=recipe.shrink,
+                        preset_tokenizer=lambda: build_word_tokenizer(examples.titles()[1:], examples.num_items))
     if recipe.lora is not None:
         add_lora(model, recipe.lora, seed)
     return model
 
 
 def add_lora(model: RecLM, lora: LoraSettings, seed: int) -> None:
-    """Wrap `model.lm` with peft LoRA on its projections. The item and slot token embeddings stay
-    trainable (peft trainable tokens, which follows tied output embeddings) and the projector, which
-    lives outside the LM, keeps training in full."""
+    """Wrap `model.lm` with peft LoRA on its projections. The vocabulary is frozen but for the
+    item and slot tokens' rows (`RecLM.freeze_vocabulary`), and the projector, which lives outside
+    the LM, keeps training in full."""
     from peft import LoraConfig, get_peft_model
 
+    model.freeze_vocabulary()
     lm = model.lm
     names = {name.rsplit(".", 1)[-1] for name, module in lm.named_modules() if isinstance(module, nn.Linear)}
     targets: Any = [t for t in LORA_TARGETS if t in names] or "all-linear"
-    embedding = lm.get_input_embeddings()
-    embed_name = next(name for name, module in lm.named_modules() if module is embedding).rsplit(".", 1)[-1]
-    new_tokens = sorted({*model.spec.item_token_ids[1:], model.spec.slot_token_id})
     config = LoraConfig(
         r=lora.r, lora_alpha=lora.alpha if lora.alpha is not None else 2 * lora.r, lora_dropout=lora.dropout,
-        target_modules=targets, trainable_token_indices={embed_name: new_tokens}, task_type="CAUSAL_LM",
+        target_modules=targets, task_type="CAUSAL_LM",
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)  # LoRA A matrices: the same on every rank and on resumption
@@ -131,13 +143,12 @@ def train_teacher(
     `train_config`: TrainConfig fields (all but out_dir). Re-running after an interruption with
     the same arguments resumes from the last checkpoint."""
     wall = time.perf_counter()
-    check_format(recipe.fmt)
     out, work = claim(out, overwrite)
     examples = data if isinstance(data, ExampleSet) else load_examples(data)
     check_fingerprint(read_run_config(sasrec), examples, sasrec)
     item_embeddings = load_item_embeddings(sasrec)
     config = TrainConfig(out_dir=work, **(train_config or {}))
-    rank = distributed_info()[0]
+    rank = dist_env()[0]
 
     recipe_record = {"recipe": RECIPE, **asdict(recipe), "data_fingerprint": examples.fingerprint,
                      "sasrec": str(Path(sasrec).resolve())}
@@ -151,14 +162,10 @@ def train_teacher(
     train_frame = train_subset(examples.split("train"), recipe.max_train)
     train_data: list[EncodedExample] = encode_frame(encoder, train_frame)
     pad_id = encoder.pad_id
-
-    from c2kd.student.evaluate import RecLMEvaluator
-
     evaluator = RecLMEvaluator(examples, "validation", limit=recipe.max_val, batch_size=recipe.eval_batch_size,
                                generation=False, full_catalog=False, progress=False)
-    result: TrainResult = train(
-        model, answer_loss, train_data, lambda batch: collate(batch, pad_id), evaluator, recipe.select_metric, config,
-    )
+    source = ExampleBatches(train_data, lambda batch: collate(batch, pad_id), config.batch_size, config.seed)
+    result: TrainResult = train(model, answer_loss, source, evaluator, recipe.select_metric, config)
     record = {
         "kind": TRAIN_KIND, "version": TRAIN_VERSION, "recipe": RECIPE,
         "format": recipe.fmt,

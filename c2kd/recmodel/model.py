@@ -3,34 +3,44 @@
 The wrapper owns the hybrid item embeddings: a frozen table of SASRec item embeddings and an MLP
 projector (Linear -> GELU -> Linear, SASRec width -> LM width). In `llara` prompts the projected
 embedding REPLACES the `<slot>` token's embedding; in `ids` prompts it is ADDED to the item
-token's embedding. Everything else is the plain LM, so hidden states, logits and the loss are the
-Hugging Face ones.
+token's embedding wherever an item token is read.
 
-A saved model folder holds the LM (`save_pretrained`, safetensors), the tokenizer,
-`projector.safetensors`, `item_embeddings.safetensors` and `reclm.json`.
+The LM head runs only where logits are read (DESIGN §2): at the answer positions when training
+(`forward(labels=...)`), at the last position for ranking, and for `ids` ranking only on the item
+tokens' rows (`item_scores`). With `item_head="hybrid"` (ids only), item i is scored with its
+token row PLUS its projected SASRec embedding, so the output side starts from SASRec's item
+geometry (E4SRec/LLaRA-style hybrid items, on the way out as on the way in).
+
+A pretrained model keeps its vocabulary frozen and trains only the rows of the tokens added for
+items (`frozen_vocab`, see `added_tokens.py`); models built from a preset or a narrowed config
+train their whole (own) table.
+
+A saved model folder holds the LM (`save_pretrained`, safetensors; added rows written into the
+tables), the tokenizer, `projector.safetensors`, `item_embeddings.safetensors` and `reclm.json`.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import os
-import re
-import shutil
-import sys
-import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
-from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from torch import Tensor, nn
+from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from c2kd.errors import C2KDError
-from c2kd.recmodel.presets import get_preset, resolve_pretrained
-from c2kd.recmodel.prompts import check_format
+from c2kd.recmodel import hf
+from c2kd.recmodel.added_tokens import AddedTokenRows
+from c2kd.recmodel.presets import get_preset
+from c2kd.recmodel.pretrained import resolve_pretrained
+from c2kd.recmodel.prompts import answer_index, check_format, gather_rows
 from c2kd.recmodel.tokenizer import add_item_tokens, item_token_ids, slot_token_id
+from c2kd.atomic import staged_dir
 
 RECLM_KIND = "reclm"
 RECLM_VERSION = 1
@@ -38,6 +48,7 @@ SPEC_FILE = "reclm.json"
 PROJECTOR_FILE = "projector.safetensors"
 ITEM_EMBEDDINGS_FILE = "item_embeddings.safetensors"
 ITEM_EMBEDDINGS_KEY = "item_embeddings"
+ITEM_HEADS = ("token", "hybrid")
 
 
 @dataclass
@@ -53,6 +64,8 @@ class RecLMSpec:
     preset: str | None
     sasrec_dim: int
     projector_hidden: int
+    item_head: str = "token"  # token | hybrid (ids: item rows + projected SASRec embeddings)
+    frozen_vocab: bool = False  # pretrained vocabulary frozen; only the added tokens' rows train
 
     def to_json(self) -> dict:
         return {"kind": RECLM_KIND, "version": RECLM_VERSION, **asdict(self)}
@@ -63,48 +76,23 @@ class RecLMSpec:
             raise C2KDError(
                 f"{source}: kind {data.get('kind')!r} v{data.get('version')!r}, expected {RECLM_KIND!r} v{RECLM_VERSION}"
             )
-        fields = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
-        missing = set(cls.__dataclass_fields__) - set(fields)
+        required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
+        missing = required - set(data)
         if missing:
             raise C2KDError(f"{source}: missing fields {sorted(missing)}")
-        return cls(**fields)
+        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
 
 
-def _is_peft(lm: nn.Module) -> bool:
-    # peft can only have wrapped the model if it has been imported.
-    if "peft" not in sys.modules:
-        return False
-    from peft import PeftModel
+@dataclass
+class RecLMOutput:
+    """`logits`: [N, V] at the N answer positions (batch-major) when labels were given, else
+    [B, T or logits_to_keep, V]. `loss`: cross-entropy on the answer tokens (L_LM).
+    `hidden_states[l]`: output of layer l (index L is final-normed), when asked."""
 
-    return isinstance(lm, PeftModel)
-
-
-def _plain_copy(lm: nn.Module) -> PreTrainedModel:
-    """A plain Hugging Face model with the same weights: LoRA adapters merged, nothing shared."""
-    if _is_peft(lm):
-        return copy.deepcopy(lm).merge_and_unload()
-    return copy.deepcopy(lm)
-
-
-def _rebuild(lm: PreTrainedModel, config=None, state_dict: dict | None = None) -> PreTrainedModel:
-    """A fresh model built from a config, holding the given weights (GGUF-loaded models cannot be
-    saved as they are, and truncation needs a smaller config)."""
-    config = copy.deepcopy(config if config is not None else lm.config)
-    fresh = AutoModelForCausalLM.from_config(config, dtype=lm.dtype)
-    state = state_dict if state_dict is not None else lm.state_dict()
-    missing, unexpected = fresh.load_state_dict(state, strict=False)
-    tied = {k for k in missing if fresh.config.tie_word_embeddings and k.endswith("lm_head.weight")}
-    if set(missing) - tied or unexpected:
-        raise C2KDError(f"rebuilding {type(lm).__name__}: missing weights {sorted(set(missing) - tied)[:5]}, unexpected {unexpected[:5]}")
-    fresh.tie_weights()
-    return fresh.to(lm.device)
-
-
-def _mark_config(path: Path) -> None:
-    # Run folders say what they are in config.json's "kind"; the LM config keeps its own fields.
-    config = json.loads(path.read_text())
-    config["kind"] = RECLM_KIND
-    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    logits: Tensor | None
+    loss: Tensor | None = None
+    hidden_states: tuple[Tensor, ...] | None = None
+    cache: Any = None
 
 
 class RecLM(nn.Module):
@@ -120,15 +108,21 @@ class RecLM(nn.Module):
         base: str = "",
         preset: str | None = None,
         projector_hidden: int | None = None,
+        item_head: str = "token",
+        frozen_vocab: bool = False,
     ):
         super().__init__()
         check_format(fmt)
+        if item_head not in ITEM_HEADS:
+            raise C2KDError(f"item head {item_head!r}: expected one of {', '.join(ITEM_HEADS)}")
+        if item_head == "hybrid" and fmt != "ids":
+            raise C2KDError("the hybrid item head scores item tokens; it needs the ids prompt format")
         if item_embeddings.dim() != 2 or item_embeddings.shape[0] < 2:
             raise C2KDError(f"item_embeddings must be [num_items + 1, dim], got {tuple(item_embeddings.shape)}")
         num_items = item_embeddings.shape[0] - 1
         self.lm = lm
         self.tokenizer = tokenizer
-        width = self._text_config().hidden_size
+        width = hf.text_config(lm).hidden_size
         hidden = projector_hidden or width
         self.projector = nn.Sequential(
             nn.Linear(item_embeddings.shape[1], hidden), nn.GELU(), nn.Linear(hidden, width)
@@ -137,22 +131,21 @@ class RecLM(nn.Module):
         self.register_buffer("item_embeddings", item_embeddings.detach().float().clone())
         token_ids = item_token_ids(tokenizer, num_items)
         self.register_buffer("_item_token_ids", torch.tensor(token_ids, dtype=torch.long), persistent=False)
-        if self.lm.get_input_embeddings().num_embeddings < len(tokenizer):
+        if hf.base_model(lm).get_input_embeddings().num_embeddings < len(tokenizer):
             raise C2KDError(
-                f"the LM has {self.lm.get_input_embeddings().num_embeddings} token embeddings but the tokenizer "
-                f"{len(tokenizer)} tokens; resize_token_embeddings first"
+                f"the LM has {hf.base_model(lm).get_input_embeddings().num_embeddings} token embeddings but the "
+                f"tokenizer {len(tokenizer)} tokens; resize_token_embeddings first"
             )
+        if getattr(hf.base_model(lm).get_output_embeddings(), "bias", None) is not None:
+            raise C2KDError(f"{type(hf.base_model(lm)).__name__}: an LM head with a bias is not supported")
+        self.added: AddedTokenRows | None = None
         self.spec = RecLMSpec(
-            format=fmt,
-            num_items=num_items,
-            item_token_ids=token_ids,
-            slot_token_id=slot_token_id(tokenizer),
-            data_fingerprint=data_fingerprint,
-            base=base,
-            preset=preset,
-            sasrec_dim=int(item_embeddings.shape[1]),
-            projector_hidden=hidden,
+            format=fmt, num_items=num_items, item_token_ids=token_ids, slot_token_id=slot_token_id(tokenizer),
+            data_fingerprint=data_fingerprint, base=base, preset=preset, sasrec_dim=int(item_embeddings.shape[1]),
+            projector_hidden=hidden, item_head=item_head, frozen_vocab=False,
         )
+        if frozen_vocab:
+            self.freeze_vocabulary()
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
@@ -164,6 +157,7 @@ class RecLM(nn.Module):
         fmt: str,
         seed: int = 0,
         data_fingerprint: str = "",
+        item_head: str = "token",
     ) -> RecLM:
         """A Llama model of a named size with random weights (seeded), vocab = the tokenizer,
         tied input/output embeddings."""
@@ -174,8 +168,8 @@ class RecLM(nn.Module):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             lm = AutoModelForCausalLM.from_config(config)
-            model = cls(lm, tokenizer, item_embeddings, fmt, data_fingerprint, base=f"llama preset {name} (random init, seed {seed})", preset=name)
-        return model
+            return cls(lm, tokenizer, item_embeddings, fmt, data_fingerprint,
+                       base=f"llama preset {name} (random init, seed {seed})", preset=name, item_head=item_head)
 
     @classmethod
     def from_pretrained(
@@ -186,10 +180,12 @@ class RecLM(nn.Module):
         data_fingerprint: str = "",
         dtype: torch.dtype = torch.float32,
         seed: int = 0,
+        item_head: str = "token",
     ) -> RecLM:
         """A pretrained LM (a local Hugging Face folder, a `.gguf` file or an alias such as
         "smollm2-135m") with the item and slot tokens added to its own tokenizer and embedding
-        table (new rows seeded). A folder written by `save` is loaded as it is."""
+        table (new rows seeded; the pretrained rows frozen). A folder written by `save` is
+        loaded as it is."""
         path = resolve_pretrained(path)
         if (path / SPEC_FILE).is_file():
             model = cls.load(path)
@@ -200,104 +196,163 @@ class RecLM(nn.Module):
                 )
             return model
         if path.suffix == ".gguf":
-            if not path.is_file():
-                raise C2KDError(f"{path}: GGUF file not found")
-            folder, kwargs = str(path.parent), {"gguf_file": path.name}
+            lm, tokenizer = hf.load_gguf(path, dtype)
         elif path.is_dir() and (path / "config.json").is_file():
-            folder, kwargs = str(path), {}
+            lm, tokenizer = hf.load_folder(path, dtype)
         else:
-            raise C2KDError(f"{path}: expected a Hugging Face model folder (with config.json) or a .gguf file")
-        tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
-        lm = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs)
-        if "gguf_file" in kwargs:
-            lm = _rebuild(lm)  # dequantised GGUF weights in a plain model that save_pretrained accepts
+            raise C2KDError(f"{path}: expected a Hugging Face model folder (with config.json), a .gguf file or a "
+                            "model alias (smollm2-135m, gemma3-270m)")
         add_item_tokens(tokenizer, item_embeddings.shape[0] - 1)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            lm.resize_token_embeddings(len(tokenizer))
+            lm.resize_token_embeddings(len(tokenizer), mean_resizing=True)
             lm.config.pad_token_id = tokenizer.pad_token_id
             text = lm.config.get_text_config()
             base = f"{path.name} ({text.model_type}, {text.num_hidden_layers} layers, width {text.hidden_size})"
-            return cls(lm, tokenizer, item_embeddings, fmt, data_fingerprint, base=base)
+            return cls(lm, tokenizer, item_embeddings, fmt, data_fingerprint, base=base, item_head=item_head,
+                       frozen_vocab=True)
+
+    def _like(self, lm: PreTrainedModel, base: str, frozen_vocab: bool) -> RecLM:
+        return RecLM(lm, self.tokenizer, self.item_embeddings, self.spec.format, self.spec.data_fingerprint, base=base,
+                     preset=self.spec.preset, projector_hidden=self.spec.projector_hidden, item_head=self.spec.item_head,
+                     frozen_vocab=frozen_vocab)
 
     def truncated(self, num_layers: int) -> RecLM:
-        """A student keeping the embeddings, the first `num_layers` layers, the final norm, the head
-        and the projector of this model (copies; LoRA adapters merged)."""
+        """A student keeping the embeddings (and added rows), the first `num_layers` layers, the final
+        norm, the head and the projector of this model (copies; LoRA adapters merged)."""
         if not 1 <= num_layers <= self.num_layers:
             raise C2KDError(f"can keep 1..{self.num_layers} layers, asked for {num_layers}")
-        plain = _plain_copy(self.lm) if _is_peft(self.lm) else self.lm  # _rebuild copies the weights
-        config = copy.deepcopy(plain.config)
-        text = config.get_text_config()
-        text.num_hidden_layers = num_layers
-        if isinstance(getattr(text, "layer_types", None), list):
-            text.layer_types = text.layer_types[:num_layers]
-        layer_key = re.compile(r"\.layers\.(\d+)\.")
-        state = {
-            k: v for k, v in plain.state_dict().items()
-            if not (m := layer_key.search(k)) or int(m.group(1)) < num_layers
-        }
-        lm = _rebuild(plain, config, state)
-        student = RecLM(
-            lm, self.tokenizer, self.item_embeddings, self.spec.format, self.spec.data_fingerprint,
-            base=f"first {num_layers} of {self.num_layers} layers of {self.spec.base}",
-            projector_hidden=self.spec.projector_hidden,
-        )
+        if self.added is not None:
+            self.added.write_into(self.lm)
+        student = self._like(hf.first_layers(self.lm, num_layers),
+                             f"first {num_layers} of {self.num_layers} layers of {self.spec.base}", self.spec.frozen_vocab)
         student.projector.load_state_dict(self.projector.state_dict())
         return student.to(self.device)
 
-    # -- the model ---------------------------------------------------------------------------
-    def embed_inputs(self, input_ids: torch.Tensor, slot_items: torch.Tensor) -> torch.Tensor:
+    def narrowed(self, width: int, num_layers: int, seed: int = 0) -> RecLM:
+        """A random-initialised (seeded) model of this model's family and tokenizer, `width` wide and
+        `num_layers` deep; it trains its whole vocabulary table."""
+        if width < 1 or num_layers < 1:
+            raise C2KDError(f"a narrow model needs width >= 1 and layers >= 1, got {width} x {num_layers}")
+        config = hf.narrow_config(self.lm, width, num_layers)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            lm = AutoModelForCausalLM.from_config(config)
+            family = hf.text_config(self.lm).model_type
+            return self._like(lm, f"{family} {width} wide x {num_layers} layers (random init, seed {seed}), "
+                                  f"tokenizer of {self.spec.base}", frozen_vocab=False).to(self.device)
+
+    def freeze_vocabulary(self) -> None:
+        """Freeze the LM's token table and head; only the rows of `<slot>` and the item tokens train."""
+        if self.added is None:
+            self.added = AddedTokenRows(self.lm, [self.spec.slot_token_id, *self.spec.item_token_ids[1:]]).to(self.device)
+            self.spec.frozen_vocab = True
+
+    # -- inputs ------------------------------------------------------------------------------
+    def projected_items(self, items: Tensor | None = None) -> Tensor:
+        """projector(SASRec embedding) of these item ids (default: the whole catalog, row 0 = padding)."""
+        table = self.item_embeddings if items is None else self.item_embeddings[items]
+        return self.projector(table)
+
+    def embed_inputs(self, input_ids: Tensor, slot_items: Tensor) -> Tensor:
         """Token embeddings with the projected SASRec embedding at every slot position."""
-        tokens = self.lm.get_input_embeddings()(input_ids)
+        embedding = self.base_lm().get_input_embeddings()
+        tokens = embedding(input_ids)
+        if self.added is not None:
+            tokens = self.added.embed(input_ids, tokens, hf.embed_scale(embedding))
         mask = slot_items > 0
         if not bool(mask.any()):
             return tokens
-        projected = self.projector(self.item_embeddings[slot_items[mask]]).to(tokens.dtype)
+        projected = self.projected_items(slot_items[mask]).to(tokens.dtype)
         at_slots = torch.zeros_like(tokens)
         at_slots[mask] = projected
         if self.spec.format == "ids":
             return tokens + at_slots
         return torch.where(mask.unsqueeze(-1), at_slots, tokens)
 
+    # -- outputs -----------------------------------------------------------------------------
+    def _softcap(self, logits: Tensor) -> Tensor:
+        cap = hf.logit_softcap(self.lm)
+        return logits if not cap else torch.tanh(logits / cap) * cap
+
+    def head_logits(self, h: Tensor) -> Tensor:
+        """Logits over the whole vocabulary of final (post-norm) states h [..., d]."""
+        logits = self.base_lm().get_output_embeddings()(h)
+        if self.added is not None:
+            logits = self.added.patch_logits(logits, h)
+        if self.spec.item_head == "hybrid":
+            extra = h @ self.projected_items()[1:].to(h.dtype).T
+            logits = logits.index_add(-1, self._item_token_ids[1:], extra.to(logits.dtype))
+        return self._softcap(logits)
+
+    def item_rows(self) -> Tensor:
+        """[N + 1, d]: the output rows that score each item (row 0, padding, is never a candidate)."""
+        ids = self._item_token_ids
+        if self.added is not None:
+            rows = torch.cat([self.base_lm().get_output_embeddings().weight[ids[:1]], self.added.rows_of(ids[1:])])
+        else:
+            rows = self.base_lm().get_output_embeddings().weight[ids]
+        if self.spec.item_head == "hybrid":
+            rows = rows + self.projected_items().to(rows.dtype)
+        return rows
+
+    def item_scores(self, h: Tensor) -> Tensor:
+        """The item tokens' logits only, [..., N + 1] (column 0 = -inf): `ids` ranking reads nothing else."""
+        scores = self._softcap(h @ self.item_rows().to(h.dtype).T)
+        scores[..., 0] = float("-inf")
+        return scores
+
+    @torch.no_grad()
+    def effective_head_weight(self) -> Tensor:
+        """[V, d]: the one matrix W with head_logits(h) == h @ Wᵀ (softcap aside): the pretrained head
+        with the added rows, plus the projected SASRec embeddings on the item rows when hybrid."""
+        weight = self.base_lm().get_output_embeddings().weight.detach().clone()
+        if self.added is not None:
+            weight[self.added.token_ids] = self.added.out_rows().detach().to(weight.dtype)
+        if self.spec.item_head == "hybrid":
+            weight[self._item_token_ids[1:]] += self.projected_items()[1:].to(weight.dtype)
+        return weight
+
+    # -- the model ---------------------------------------------------------------------------
+    def decode(self, input_ids: Tensor, attention_mask: Tensor, slot_items: Tensor, **kwargs: Any) -> Any:
+        """The transformer body without any head: `.last_hidden_state` [B, T, d] is the final
+        (post-norm) state the head reads, `.hidden_states[l]` (output_hidden_states=True) the
+        output of layer l. kwargs go to the Hugging Face decoder (position_ids, cache, ...)."""
+        return hf.decoder(self.lm)(inputs_embeds=self.embed_inputs(input_ids, slot_items), attention_mask=attention_mask,
+                                   **kwargs)
+
     def forward(
         self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        slot_items: torch.Tensor,
-        labels: torch.Tensor | None = None,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        slot_items: Tensor,
+        labels: Tensor | None = None,
         output_hidden_states: bool = False,
-        position_ids: torch.Tensor | None = None,
-        cache=None,
+        position_ids: Tensor | None = None,
+        cache: Any = None,
         use_cache: bool = False,
         logits_to_keep: int = 0,
-    ):
-        """Hugging Face CausalLMOutputWithPast; `loss` = cross-entropy on the labelled (answer)
-        tokens. `hidden_states[l]` is the output of layer l (index L is final-normed).
-        `position_ids`, `cache`, `use_cache` and `logits_to_keep` (last k positions only) serve
-        incremental decoding."""
-        extra: dict = {}
-        if logits_to_keep:
-            extra["logits_to_keep"] = logits_to_keep
-        if position_ids is not None:
-            extra["position_ids"] = position_ids
-        if cache is not None:
-            extra["cache"] = cache
-        return self.lm(
-            inputs_embeds=self.embed_inputs(input_ids, slot_items),
-            attention_mask=attention_mask,
-            labels=labels,
-            output_hidden_states=output_hidden_states,
-            use_cache=use_cache,
-            **extra,
-        )
+    ) -> RecLMOutput:
+        """With `labels` the head runs at the answer positions only (labels[p + 1] != -100) and the
+        loss is their cross-entropy; without, at the last `logits_to_keep` positions (0 = all).
+        `position_ids`, `cache` and `use_cache` serve incremental decoding."""
+        out = self.decode(input_ids, attention_mask, slot_items, position_ids=position_ids, cache=cache,
+                          use_cache=use_cache, output_hidden_states=output_hidden_states)
+        h = out.last_hidden_state
+        loss = None
+        if labels is not None:
+            positions, mask = answer_index(labels)
+            logits = self.head_logits(gather_rows(h, positions)[mask])
+            targets = gather_rows(labels, positions + 1)[mask]
+            loss = F.cross_entropy(logits.float(), targets)
+        else:
+            logits = self.head_logits(h[:, -logits_to_keep:] if logits_to_keep else h)
+        return RecLMOutput(logits, loss, out.hidden_states, out.cache if use_cache else None)
 
     # -- views used by caches and losses -----------------------------------------------------
     def base_lm(self) -> PreTrainedModel:
         """The Hugging Face model under any peft wrapper (weights shared, not copied)."""
-        return self.lm.get_base_model() if _is_peft(self.lm) else self.lm
-
-    def _text_config(self):
-        return self.lm.config.get_text_config()
+        return hf.base_model(self.lm)
 
     @property
     def device(self) -> torch.device:
@@ -305,26 +360,22 @@ class RecLM(nn.Module):
 
     @property
     def num_layers(self) -> int:
-        return int(self._text_config().num_hidden_layers)
+        return int(hf.text_config(self.lm).num_hidden_layers)
 
     @property
     def hidden_size(self) -> int:
-        return int(self._text_config().hidden_size)
+        return int(hf.text_config(self.lm).hidden_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.base_lm().get_output_embeddings().weight.shape[0])
 
     @property
     def final_norm(self) -> nn.Module:
-        decoder = self.base_lm().get_decoder()
-        norm = getattr(decoder, "norm", None) or getattr(decoder, "final_layernorm", None)
-        if norm is None:
-            raise C2KDError(f"cannot find the final norm of {type(decoder).__name__}")
-        return norm
+        return hf.final_norm(self.lm)
 
     @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.base_lm().get_output_embeddings().weight
-
-    @property
-    def item_token_ids(self) -> torch.Tensor:
+    def item_token_ids(self) -> Tensor:
         """LongTensor [N+1]: token id of each item (index 0: pad token)."""
         return self._item_token_ids
 
@@ -351,26 +402,16 @@ class RecLM(nn.Module):
     def save(self, out_dir: str | os.PathLike) -> Path:
         """Write the model folder atomically (a temp folder renamed into place); LoRA merged."""
         out_dir = Path(out_dir)
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-        try:
-            lm = _plain_copy(self.lm) if _is_peft(self.lm) else self.lm
+        if self.added is not None:
+            self.added.write_into(self.lm)
+        lm = hf.plain_copy(self.lm) if hf.is_peft(self.lm) else self.lm
+        with staged_dir(out_dir, replace=True) as tmp:
             lm.save_pretrained(tmp, safe_serialization=True)
             _mark_config(tmp / "config.json")
             self.tokenizer.save_pretrained(tmp)
             save_file({k: v.detach().cpu().contiguous() for k, v in self.projector.state_dict().items()}, tmp / PROJECTOR_FILE)
             save_file({ITEM_EMBEDDINGS_KEY: self.item_embeddings.detach().cpu().contiguous()}, tmp / ITEM_EMBEDDINGS_FILE)
             (tmp / SPEC_FILE).write_text(json.dumps(self.spec.to_json(), indent=2))
-            if out_dir.exists():
-                old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-                os.replace(out_dir, old / out_dir.name)
-                os.replace(tmp, out_dir)
-                shutil.rmtree(old)
-            else:
-                os.replace(tmp, out_dir)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp)
         return out_dir
 
     @classmethod
@@ -380,18 +421,21 @@ class RecLM(nn.Module):
         spec_path = model_dir / SPEC_FILE
         if not spec_path.is_file():
             raise C2KDError(f"{model_dir}: not a saved recommender LM (no {SPEC_FILE})")
-        spec = RecLMSpec.from_json(json.loads(spec_path.read_text()), str(spec_path))
+        try:
+            spec = RecLMSpec.from_json(json.loads(spec_path.read_text()), str(spec_path))
+        except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as e:
+            raise C2KDError(f"{spec_path}: not a valid recommender spec ({e})") from None
         for name in (PROJECTOR_FILE, ITEM_EMBEDDINGS_FILE):
             if not (model_dir / name).is_file():
                 raise C2KDError(f"{model_dir}: missing {name}")
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype if dtype is not None else "auto")
+        lm, tokenizer = hf.load_folder(model_dir, dtype if dtype is not None else "auto")
         table = load_file(model_dir / ITEM_EMBEDDINGS_FILE)
         if ITEM_EMBEDDINGS_KEY not in table:
             raise C2KDError(f"{model_dir / ITEM_EMBEDDINGS_FILE}: no tensor {ITEM_EMBEDDINGS_KEY!r}")
         model = cls(
-            lm, tokenizer, table[ITEM_EMBEDDINGS_KEY], spec.format, spec.data_fingerprint,
-            base=spec.base, preset=spec.preset, projector_hidden=spec.projector_hidden,
+            lm, tokenizer, table[ITEM_EMBEDDINGS_KEY], spec.format, spec.data_fingerprint, base=spec.base,
+            preset=spec.preset, projector_hidden=spec.projector_hidden, item_head=spec.item_head,
+            frozen_vocab=spec.frozen_vocab,
         )
         if model.spec.item_token_ids != spec.item_token_ids or model.spec.num_items != spec.num_items:
             raise C2KDError(f"{spec_path}: item token ids do not match the saved tokenizer")
@@ -399,3 +443,10 @@ class RecLM(nn.Module):
         if device is not None:
             model.to(device)
         return model
+
+
+def _mark_config(path: Path) -> None:
+    # Run folders say what they are in config.json's "kind"; the LM config keeps its own fields.
+    config = json.loads(path.read_text())
+    config["kind"] = RECLM_KIND
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

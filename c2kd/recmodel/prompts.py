@@ -1,8 +1,8 @@
 """The two prompt formats of the recommender LM, encoded straight to token ids.
 
 `ids`   <bos> history : <item_a> ... candidates : <item_c1> ... <item_c20> next :  ||  <item_t> <eos>
-        History and candidate item tokens carry their item id in `slot_items` (the model ADDS the
-        projected SASRec embedding to the token embedding).
+        Every item token (history, candidates, answer) carries its item id in `slot_items` (the
+        model ADDS the projected SASRec embedding to the token embedding).
 `llara` <bos> This user has watched <title> <slot> , ... . Choose the next movie from :
         <title> <slot> , ... . Answer :  ||  <title_t> <eos>
         Each `<slot>` carries its item id (the model REPLACES the slot's embedding by the projected
@@ -23,21 +23,21 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from c2kd.errors import C2KDError, DataError
+from c2kd.recmodel.templates import (
+    IDS_CANDIDATES,
+    IDS_HISTORY,
+    IDS_NEXT,
+    LLARA_ANSWER,
+    LLARA_CHOOSE,
+    LLARA_END,
+    LLARA_HISTORY,
+    LLARA_SEP,
+    template_texts,
+)
 from c2kd.recmodel.tokenizer import item_token_ids, slot_token_id
 
 FORMATS = ("ids", "llara")
 IGNORE = -100
-
-# Template pieces; texts that start a new word carry a leading space so that BPE tokenizers see
-# the same word boundaries as in running text (word-level tokenizers ignore the spaces).
-IDS_HISTORY, IDS_CANDIDATES, IDS_NEXT = "history:", " candidates:", " next:"
-LLARA_HISTORY, LLARA_CHOOSE, LLARA_ANSWER = "This user has watched", " Choose the next movie from:", " Answer:"
-LLARA_SEP, LLARA_END = ",", "."
-
-
-def template_texts() -> list[str]:
-    """All template text of both formats (the word-level vocabulary must cover it)."""
-    return [IDS_HISTORY, IDS_CANDIDATES, IDS_NEXT, LLARA_HISTORY, LLARA_CHOOSE, LLARA_ANSWER, LLARA_SEP, LLARA_END]
 
 
 def check_format(fmt: str) -> str:
@@ -149,7 +149,10 @@ class PromptEncoder:
         if target is not None:
             answer = self.answer_ids(int(target))
             ids = ids + answer
-            slots = slots + [0] * len(answer)
+            answer_slots = [0] * len(answer)
+            if self.fmt == "ids":
+                answer_slots[0] = int(target)  # the answer's item token carries its item like every item token
+            slots = slots + answer_slots
             labels = labels + answer
         return EncodedExample(int(example_id), ids, slots, labels, prompt_length)
 
@@ -193,8 +196,25 @@ def collate(examples: Sequence[EncodedExample], pad_id: int, with_example_ids: b
     return batch
 
 
-def answer_positions(labels: torch.Tensor) -> torch.Tensor:
+def answer_mask(labels: torch.Tensor) -> torch.Tensor:
     """Bool [B, T]: positions whose logits predict an answer token (labels[p+1] != -100)."""
     out = torch.zeros_like(labels, dtype=torch.bool)
     out[:, :-1] = labels[:, 1:] != IGNORE
     return out
+
+
+def answer_index(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Padded answer positions [B, A] (ascending per row) and the mask of the real ones [B, A]."""
+    is_answer = answer_mask(labels)
+    counts = is_answer.sum(1)
+    width = int(counts.max()) if len(counts) else 0
+    # a stable sort puts the answer positions first, in order
+    order = torch.sort((~is_answer).to(torch.int8), dim=1, stable=True).indices[:, :width]
+    mask = torch.arange(width, device=labels.device).unsqueeze(0) < counts.unsqueeze(1)
+    return torch.where(mask, order, torch.zeros_like(order)), mask
+
+
+def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x[b, index[b, a]] for a per-token tensor x [B, T, ...] and positions index [B, A]: [B, A, ...]."""
+    index = index.to(x.device)
+    return torch.gather(x, 1, index.view(*index.shape, *([1] * (x.ndim - 2))).expand(*index.shape, *x.shape[2:]))

@@ -15,6 +15,7 @@ from tokenizers.models import WordLevel
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from c2kd.errors import C2KDError
+from c2kd.recmodel.templates import template_texts
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SLOT = "<slot>"
@@ -57,8 +58,6 @@ def build_word_tokenizer(titles: Iterable[str], num_items: int, extra_texts: Ite
     """
     if num_items < 1:
         raise C2KDError(f"num_items must be >= 1, got {num_items}")
-    from c2kd.recmodel.prompts import template_texts  # the templates live with the prompts
-
     texts = list(extra_texts) or template_texts()
     reserved = [*SPECIALS, SLOT, *item_tokens(num_items)]
     vocab = {tok: i for i, tok in enumerate(reserved)}

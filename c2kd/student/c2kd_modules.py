@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from c2kd.errors import C2KDError
+from c2kd.student.losses import feature_loss
 
 ROUTER_MODES = ("top1", "soft", "fixed:L")
 
@@ -46,10 +47,6 @@ class LayerFilters(nn.Module):
         projected = self.project(teacher_hidden_by_layer)
         return {l: F.cross_entropy(self.head(self.norm(h)).float(), labels_at_answer) for l, h in projected.items()}
 
-    def stage1_loss(self, teacher_hidden_by_layer: Mapping[int, Tensor], labels_at_answer: Tensor) -> Tensor:
-        """sum_l CE(head(norm(g_l(H_t^l)))) over the candidate layers (mean over answer positions)."""
-        return torch.stack(list(self.layer_losses(teacher_hidden_by_layer, labels_at_answer).values())).sum()
-
     def forward(self, teacher_hidden_by_layer: Mapping[int, Tensor], labels_at_answer: Tensor) -> dict[int, Tensor]:
         # Stage 1 trains through forward() (so that a DDP wrapper sees the call): the per-layer CEs.
         return self.layer_losses(teacher_hidden_by_layer, labels_at_answer)
@@ -68,6 +65,7 @@ class Routing:
     weights: Tensor  # [B, K], rows sum to 1, no gradient
     chosen: Tensor  # [B] teacher layer id with the largest weight (for counting)
     scores: Tensor  # [B, K] sum over valid tokens of cos(H_s^n, g_l(H_t^l))
+    one_hot: bool  # top1 and fixed:L: each example follows exactly one layer
 
 
 def parse_router(mode: str) -> tuple[str, int | None]:
@@ -112,7 +110,21 @@ def route(student_h: Tensor, projected_teacher: Mapping[int, Tensor], mask: Tens
         index = torch.full((scores.shape[0],), layers.index(fixed_layer), dtype=torch.long, device=scores.device)
         weights = F.one_hot(index, len(layers)).to(scores.dtype)
     layer_ids = torch.tensor(layers, device=scores.device)
-    return Routing(layers=layers, weights=weights, chosen=layer_ids[weights.argmax(dim=-1)], scores=scores)
+    return Routing(layers=layers, weights=weights, chosen=layer_ids[weights.argmax(dim=-1)], scores=scores,
+                   one_hot=kind != "soft")
+
+
+def routed_feature_loss(student_h: Tensor, projected_teacher: Mapping[int, Tensor], mask: Tensor, routing: Routing) -> Tensor:
+    """L_feat against the routed teacher layers. One-hot routing compares each example with its
+    one chosen layer only (one loss over the batch, not K losses of which K-1 are zero); the soft
+    router weights each layer's loss per example."""
+    if routing.one_hot:
+        stacked = torch.stack([projected_teacher[l] for l in routing.layers])  # [K, B, T, d]
+        pick = routing.weights.argmax(dim=-1)
+        target = stacked[pick, torch.arange(len(pick), device=pick.device)]
+        return feature_loss(student_h, target, mask)
+    return sum(feature_loss(student_h, projected_teacher[l], mask, example_weight=routing.weights[:, k])
+               for k, l in enumerate(routing.layers))
 
 
 def count_choices(chosen: Tensor, layers: Sequence[int]) -> dict[int, int]:

@@ -6,7 +6,8 @@ Conventions shared by every function here:
   masked out, so appending padding to a batch never changes a loss.
 - reductions are means over the positions where `mask` is True.
 - answer positions are the positions p whose logits predict an answer token, i.e.
-  `labels[p + 1] != -100` (HF label convention; see `answer_mask`).
+  `labels[p + 1] != -100` (see `c2kd.recmodel.prompts.answer_index`). L_LM is the recommender
+  LM's own loss (`RecLM.forward` with labels), computed with the head at those positions only.
 
 Choices that follow the authors' code (and are therefore not free parameters here):
 - `feature_loss`: features are L2-normalised per token; the MSE term is the mean over every
@@ -23,16 +24,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-IGNORE_INDEX = -100
-
-
-def answer_mask(labels: Tensor) -> Tensor:
-    """[B, T] bool: True at positions whose logits predict an answer token (labels[p+1] != -100)."""
-    mask = torch.zeros_like(labels, dtype=torch.bool)
-    mask[:, :-1] = labels[:, 1:] != IGNORE_INDEX
-    return mask
-
-
 def masked_mean(values: Tensor, mask: Tensor | None) -> Tensor:
     """Mean of `values` over the positions where `mask` is True (all positions when mask is None)."""
     if mask is None:
@@ -45,15 +36,6 @@ def masked_mean(values: Tensor, mask: Tensor | None) -> Tensor:
         # No valid position: a zero that still belongs to the graph, so backward() works.
         return values.sum() * 0.0
     return torch.where(mask, values, torch.zeros_like(values)).sum() / count
-
-
-def lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
-    """L_LM = mean over answer tokens of -log p(labels[p+1] | logits[p]) (labels use -100 for 'no loss')."""
-    mask = answer_mask(labels)
-    next_tokens = torch.roll(labels, shifts=-1, dims=1).clamp_min(0)
-    log_probs = F.log_softmax(logits.float(), dim=-1)
-    nll = -log_probs.gather(-1, next_tokens.unsqueeze(-1)).squeeze(-1)
-    return masked_mean(nll, mask)
 
 
 def feature_loss(h_s: Tensor, h_t: Tensor, mask: Tensor | None, example_weight: Tensor | None = None) -> Tensor:

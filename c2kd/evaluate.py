@@ -1,7 +1,8 @@
 """Evaluation of a recommender LM (teacher or student) on a prepared split.
 
 - Ranking of the 20 stored candidates by the model's own scores: for `ids` the item-token logit
-  at the answer position (one forward pass; the same logits rank the full catalog too), for
+  at the answer position (one forward pass; the head runs on the item tokens' rows only, and the
+  same scores rank the full catalog too), for
   `llara` the log-likelihood of each candidate's answer tokens (title + eos) given the prompt.
   The prompt runs once per example; its KV cache is repeated for the 20 continuations.
 - The paper's generation protocol (`llara`): greedy decoding, first line of the answer,
@@ -72,6 +73,7 @@ class PromptState:
 
 @torch.no_grad()
 def run_prompts(model: RecLM, prompts: PromptBatch, use_cache: bool = True) -> PromptState:
+    """The prompts' forward pass: next-token logits at the last position (and the KV cache)."""
     out = model(
         input_ids=prompts.input_ids,
         attention_mask=prompts.attention_mask,
@@ -90,11 +92,11 @@ def _token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def ids_scores(model: RecLM, prompts: PromptBatch) -> torch.Tensor:
-    """`ids` format: logit of every item token at the answer position, [B, N+1] (column 0 = -inf)."""
-    last = run_prompts(model, prompts, use_cache=False).last_logits
-    scores = last[:, model.item_token_ids]
-    scores[:, 0] = float("-inf")
-    return scores
+    """`ids` format: logit of every item token at the answer position, [B, N+1] (column 0 = -inf).
+    The head runs on the item tokens' rows only (1,683 rows, not a 50k–262k vocabulary)."""
+    h = model.decode(prompts.input_ids, prompts.attention_mask, prompts.slot_items,
+                     position_ids=prompts.position_ids).last_hidden_state
+    return model.item_scores(h[:, -1]).float()
 
 
 @torch.no_grad()

@@ -1,0 +1,44 @@
+"""The batch a teacher cache would give, computed by running the teacher live.
+
+Stage two never runs a teacher; this exists to check the cache against the teacher it replaces
+(tests) and to measure what reading the cache saves (benchmarks/stage_two.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from c2kd.cache_schema import CachedBatch
+from c2kd.recmodel.model import RecLM
+from c2kd.recmodel.prompts import answer_index, gather_rows
+
+
+@dataclass
+class LiveBatch(CachedBatch):
+    """A CachedBatch whose teacher logits come from the live teacher (float32), not rebuilt."""
+
+    teacher_logits: torch.Tensor | None = None  # [N, V] at the real answer positions
+
+
+@torch.no_grad()
+def live_teacher_batch(teacher: RecLM, tokens: dict, layers: Sequence[int], positions: str = "all") -> LiveBatch:
+    """`tokens` (a `collate` dict) run through the teacher, laid out as `TeacherCache.get` lays out a batch."""
+    out = teacher.decode(tokens["input_ids"], tokens["attention_mask"], tokens["slot_items"], output_hidden_states=True)
+    answer_positions, mask = answer_index(tokens["labels"])
+    final = gather_rows(out.last_hidden_state, answer_positions)
+    if positions == "all":
+        hidden = {l: out.hidden_states[l] for l in layers}
+    else:
+        hidden = {l: gather_rows(out.hidden_states[l], answer_positions) for l in layers}
+    b = tokens["input_ids"].shape[0]
+    empty = torch.zeros(b, 0, dtype=torch.long)
+    return LiveBatch(
+        positions=positions, example_ids=torch.arange(b), users=torch.zeros(b, dtype=torch.long),
+        targets=torch.zeros(b, dtype=torch.long), candidates=empty, history=empty,
+        input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"], slot_items=tokens["slot_items"],
+        labels=tokens["labels"], answer_positions=answer_positions, answer_mask=mask, hidden=hidden, final_hidden=final,
+        teacher_logits=teacher.head_logits(final[mask]).float(),
+    )

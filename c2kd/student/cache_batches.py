@@ -1,0 +1,59 @@
+"""Stage two's batch source: cached examples in the trainer's order, read ahead in a background thread.
+
+The order is the trainer's own (`epoch_batches` over the cached train ids), so a run from the
+cache sees exactly the batches a run over in-memory examples would. `group` micro-batches are
+read with one cache read (`TeacherCache.get_batches`) while the student trains on the previous
+ones; a resumed run simply starts at its position. All reads go through one thread, so the cache
+is never read concurrently.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from c2kd import distributed
+from c2kd.cache_schema import CachedBatch, TeacherCache
+from c2kd.training import epoch_batches
+
+
+class CacheBatches:
+    """Micro-batches (CachedBatch) of the cached examples `example_ids`; see the module docstring.
+
+    `get_kwargs` say what to read (layers, final_hidden, logits): stage 1 and each method read only
+    what they use."""
+
+    def __init__(self, cache: TeacherCache, example_ids: Sequence[int], batch_size: int, seed: int,
+                 group: int = 8, ahead: int = 2, **get_kwargs):
+        self.cache, self.example_ids = cache, np.asarray(example_ids, dtype=np.int64)
+        self.batch_size, self.seed, self.group, self.ahead = batch_size, seed, max(1, group), max(1, ahead)
+        self.get_kwargs = get_kwargs
+        self.num_examples = len(self.example_ids)
+        self.rank, self.world = distributed.dist_env()[:2]
+
+    def __len__(self) -> int:
+        return len(epoch_batches(self.num_examples, self.batch_size, self.seed, 0, self.world))
+
+    def _ids(self, epoch: int, start: int) -> list[np.ndarray]:
+        """This rank's example ids of micro-batches start, start + 1, ... of the epoch."""
+        order = epoch_batches(self.num_examples, self.batch_size, self.seed, epoch, self.world)[start:]
+        return [self.example_ids[idx[self.rank :: self.world]] for idx in order]
+
+    def batches(self, epoch: int, start: int = 0) -> Iterator[CachedBatch]:
+        micro = self._ids(epoch, start)
+        groups = [micro[i : i + self.group] for i in range(0, len(micro), self.group)]
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="c2kd-cache-read") as pool:
+            pending: deque = deque()
+            try:
+                for g in groups:
+                    pending.append(pool.submit(self.cache.get_batches, g, **self.get_kwargs))
+                    if len(pending) > self.ahead:
+                        yield from pending.popleft().result()
+                while pending:
+                    yield from pending.popleft().result()
+            finally:  # closed early (end of training, an error): drop reads not yet started
+                for future in pending:
+                    future.cancel()

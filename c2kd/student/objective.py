@@ -1,0 +1,158 @@
+"""What stage two minimises, one function per method (DESIGN §3), on a batch read from the cache.
+
+    sft         L = L_LM
+    logit-kd    L = L_LM + w_logit · τ² KL(teacher ‖ the student's own head)
+    feature-kd  L = L_LM + w_feat · mean_i L_feat(A_i H_s^i, H_t^{m(i)})          (uniform layer map m)
+    c2kd        L = L_LM + w_feat · L_feat(H_s^n, g_l*(H_t^l*)) + w_logit · L_logit + w_orth · L_orth
+
+with l* chosen per example by the router, n the student's penultimate layer and L_logit the soft
+cross-entropy between the teacher's logits and W_head,t · feat_mlp(H_s^n) at the answer positions.
+Ablations: --router fixed:L | soft, --no-orth, --no-cross-head (L_logit then uses the student's
+own head; there is no feat_mlp, so no L_orth either).
+
+Teacher logits come from the cache only: exact caches rebuild them on the student's device as
+final_hidden @ W_headᵀ (float32, autocast off); top-k caches give a distribution on the cached K
+tokens (the other logits -inf); full caches are read as they are. A batch may also carry
+`teacher_logits` already (a live teacher, for fidelity checks and benchmarks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from c2kd.cache_schema import CachedBatch, CacheSpec
+from c2kd.errors import C2KDError
+from c2kd.recmodel.model import RecLM, RecLMOutput
+from c2kd.student.c2kd_modules import CrossHead, LayerFilters, routed_feature_loss, route, teacher_logits
+from c2kd.student.losses import cross_head_kd_loss, feature_loss, logit_kd_loss, orth_loss
+
+METHODS = ("c2kd", "sft", "logit-kd", "feature-kd")
+
+
+@dataclass(frozen=True)
+class LossWeights:
+    """The method and its constants (the authors' values as defaults)."""
+
+    method: str = "c2kd"
+    router: str = "top1"  # top1 | soft | fixed:L
+    cross_head: bool = True
+    orth: bool = True
+    w_feat: float = 0.5
+    w_logit: float = 0.5
+    w_orth: float = 0.05
+    tau: float = 1.0
+
+
+class DistillModel(nn.Module):
+    """The student plus the pieces its method trains; forward(batch) -> loss terms ("loss" = the total).
+
+    Frozen: the stage-1 filters and the teacher head (a non-trainable parameter, so the trainer
+    moves it to the device and leaves it out of checkpoints)."""
+
+    def __init__(self, student: RecLM, weights: LossWeights, spec: CacheSpec, head_weight: Tensor,
+                 filters: LayerFilters | None = None, layer_map: dict[int, int] | None = None):
+        super().__init__()
+        if weights.method not in METHODS:
+            raise C2KDError(f"--method {weights.method!r}: expected one of {', '.join(METHODS)}")
+        self.student, self.w = student, weights
+        self.logits_policy, self.vocab_size = spec.logits_policy, spec.vocab_size
+        d_t, d_s = spec.hidden_size, student.hidden_size
+        self.student_layer = max(1, student.num_layers - 1)  # penultimate (authors: 15 of 16)
+        self.teacher_head = nn.Parameter(head_weight.detach().float().clone(), requires_grad=False)
+        self.filters = filters.requires_grad_(False) if filters is not None else None
+        self.cross_head = CrossHead(d_s, d_t) if weights.method == "c2kd" and weights.cross_head else None
+        self.layer_map = dict(layer_map or {})
+        self.adapters = nn.ModuleDict({str(i): nn.Linear(d_s, d_t, bias=False) for i in self.layer_map}) or None
+        self.router_counts: dict[int, int] = {}
+        own_head = weights.method == "logit-kd" or (weights.method == "c2kd" and not weights.cross_head)
+        if own_head and student.vocab_size != self.vocab_size:
+            raise C2KDError(
+                f"--method {weights.method}{'' if weights.cross_head else ' --no-cross-head'} compares the student's "
+                f"own logits with the teacher's, but their vocabularies differ ({student.vocab_size} vs {self.vocab_size})"
+            )
+
+    @property
+    def router_layers(self) -> tuple[int, ...]:
+        return self.filters.teacher_layers if self.filters is not None else ()
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        params = [p for p in self.student.parameters() if p.requires_grad]
+        for extra in (self.cross_head, self.adapters):
+            if extra is not None:
+                params += list(extra.parameters())
+        return [p for p in params if p.is_floating_point()]
+
+    def forward(self, batch: CachedBatch) -> dict[str, Tensor]:
+        return OBJECTIVES[self.w.method](self, batch)
+
+    # -- shared pieces -----------------------------------------------------------------------
+    def run_student(self, batch: CachedBatch, hidden: bool = False) -> RecLMOutput:
+        return self.student(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                            slot_items=batch.slot_items, labels=batch.labels, output_hidden_states=hidden)
+
+    def teacher_logits(self, batch: CachedBatch) -> Tensor:
+        """[N, V] float32 teacher logits at the real answer positions (see the module docstring)."""
+        live = getattr(batch, "teacher_logits", None)
+        if live is not None:
+            return live.float()
+        mask, policy = batch.answer_mask, self.logits_policy
+        with torch.autocast(self.teacher_head.device.type, enabled=False):
+            if policy.kind == "exact":
+                return teacher_logits(batch.final_hidden[mask], self.teacher_head)
+            if policy.kind == "full":
+                return batch.full_logits[mask].float()
+            values, indices = batch.topk_values[mask].float(), batch.topk_indices[mask]
+            dense = torch.full((values.shape[0], self.vocab_size), float("-inf"), device=values.device)
+            return dense.scatter(1, indices, values)
+
+
+def sft(m: DistillModel, batch: CachedBatch) -> dict[str, Tensor]:
+    lm = m.run_student(batch).loss
+    return {"loss": lm, "lm": lm}
+
+
+def logit_kd(m: DistillModel, batch: CachedBatch) -> dict[str, Tensor]:
+    out = m.run_student(batch)
+    logit = logit_kd_loss(out.logits, m.teacher_logits(batch), None, m.w.tau)
+    return {"loss": out.loss + m.w.w_logit * logit, "lm": out.loss, "logit": logit}
+
+
+def feature_kd(m: DistillModel, batch: CachedBatch) -> dict[str, Tensor]:
+    out = m.run_student(batch, hidden=True)
+    pairs = [feature_loss(m.adapters[str(i)](batch.kept_rows(out.hidden_states[i])), batch.hidden[t], batch.hidden_mask)
+             for i, t in m.layer_map.items()]
+    feat = torch.stack(pairs).mean()
+    return {"loss": out.loss + m.w.w_feat * feat, "lm": out.loss, "feat": feat}
+
+
+def c2kd(m: DistillModel, batch: CachedBatch) -> dict[str, Tensor]:
+    out = m.run_student(batch, hidden=True)
+    h_n = out.hidden_states[m.student_layer]
+    rows, mask = batch.kept_rows(h_n), batch.hidden_mask
+    with torch.no_grad():
+        projected = m.filters.project({l: batch.hidden[l] for l in m.router_layers})
+    routing = route(rows, projected, mask, m.w.router)
+    if m.training:
+        for layer in routing.chosen.tolist():
+            m.router_counts[layer] = m.router_counts.get(layer, 0) + 1
+    feat = routed_feature_loss(rows, projected, mask, routing)
+    h_answers = batch.answer_rows(h_n)
+    z = m.cross_head.logits(h_answers, m.teacher_head) if m.cross_head is not None else out.logits
+    logit = cross_head_kd_loss(z, m.teacher_logits(batch), None, m.w.tau)
+    uses_orth = m.cross_head is not None and m.w.orth
+    orth = orth_loss(m.cross_head.feat_mlp.weight) if uses_orth else torch.zeros((), device=logit.device)
+    terms = {"lm": out.loss, "feat": feat, "logit": logit, **({"orth": orth} if uses_orth else {})}
+    return {"loss": out.loss + m.w.w_feat * feat + m.w.w_logit * logit + m.w.w_orth * orth, **terms}
+
+
+OBJECTIVES = {"sft": sft, "logit-kd": logit_kd, "feature-kd": feature_kd, "c2kd": c2kd}
+
+
+def stage1_loss(filters: nn.Module, batch: CachedBatch) -> dict[str, Tensor]:
+    """Stage 1 (c2kd): sum over the candidate layers of CE(head(norm(g_l(H_t^l)))) at the answers."""
+    hidden = {l: batch.hidden_at_answers(l) for l in batch.hidden}
+    per_layer = filters(hidden, batch.answer_targets())  # through forward(), so a DDP wrapper sees the call
+    return {"loss": torch.stack(list(per_layer.values())).sum(), **{f"ce_layer_{l}": v for l, v in per_layer.items()}}

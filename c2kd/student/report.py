@@ -1,0 +1,122 @@
+"""What a finished `distill` run leaves behind: distill.json, metrics.json, the logs and distill.png."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from c2kd.atomic import write_json
+from c2kd.cache_schema import TeacherCache
+from c2kd.distributed import all_reduce_sum
+from c2kd.pipeline.examples import ExampleSet
+from c2kd.recmodel.model import RecLM
+from c2kd.run_folder import publish
+from c2kd.training import TrainConfig, TrainResult, read_log
+
+DISTILL_KIND = "c2kd-distill"
+DISTILL_VERSION = 1
+PLOT_FILE = "distill.png"
+
+
+def epoch_router_counts(model: Any) -> Callable[[int, dict], dict | None]:
+    """Trainer hook: the router's layer choices of the epoch, summed over ranks, into the log."""
+
+    def hook(epoch: int, stats: dict) -> dict | None:
+        if not model.router_layers:
+            return None
+        counts = torch.tensor([model.router_counts.get(l, 0) for l in model.router_layers], dtype=torch.float64)
+        counts = all_reduce_sum(counts)
+        model.router_counts.clear()
+        return {"router_counts": {str(l): int(c) for l, c in zip(model.router_layers, counts.tolist())}}
+
+    return hook
+
+
+def distill_record(recipe: Any, cache: TeacherCache, cache_path: str, model: Any, examples: ExampleSet,
+                   train_examples: int, evaluator: Any, config: TrainConfig, stage1: TrainResult | None,
+                   result: TrainResult, layer_map: dict[int, int] | None) -> dict:
+    """The content of distill.json (without the final metrics, which rank 0 adds)."""
+    spec, student = cache.spec, model.student
+    return {
+        "kind": DISTILL_KIND, "version": DISTILL_VERSION, "recipe": asdict(recipe),
+        "cache": {"path": cache_path, "layers": list(spec.layers), "positions": spec.positions, "logits": spec.logits,
+                  "dtype": spec.dtype, "teacher": spec.teacher_description, "teacher_fingerprint": spec.teacher_fingerprint,
+                  "spec_hash": spec.spec_hash},
+        "student": {"source": recipe.student, "shrink": recipe.shrink, "base": student.spec.base,
+                    "layers": student.num_layers, "hidden_size": student.hidden_size,
+                    "distilled_layer": model.student_layer, "non_embedding_parameters": student.non_embedding_parameters()},
+        "feature_kd_layer_map": {str(k): v for k, v in (layer_map or {}).items()} or None,
+        "data": {"dir": str(examples.root), "fingerprint": examples.fingerprint, "train_examples": train_examples,
+                 "validation_examples": evaluator.frame.height},
+        "train": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items() if k != "out_dir"},
+        "stage1_steps": stage1.final_step if stage1 else 0,
+        "validation": {"select_metric": recipe.select_metric, "best_step": result.best_step, "best": result.best_metrics},
+        "final_step": result.final_step,
+        "timings": {"stage1_s": round(stage1.total_train_s, 3) if stage1 else 0.0,
+                    "train_s": round(result.total_train_s, 3), "resumed_from_step": result.resumed_from},
+    }
+
+
+def finish(student: RecLM, work: Path, out: Path, record: dict, overwrite: bool, keep_checkpoints: bool) -> None:
+    """Save the selected student with its records and plot, then rename it into place at `out`."""
+    staged = student.save(work / "model")
+    shutil.copyfile(work / "stage2" / "log.jsonl", staged / "log.jsonl")
+    if (work / "stage1" / "log.jsonl").exists():
+        shutil.copyfile(work / "stage1" / "log.jsonl", staged / "stage1_log.jsonl")
+    write_json(staged / "distill.json", record)
+    write_json(staged / "metrics.json", record["metrics"])
+    plot_run(staged, record)
+    publish(staged, out, work, overwrite, keep_work=keep_checkpoints)
+
+
+def plot_run(run_dir: Path, record: dict) -> Path:
+    """distill.png: loss terms per step, router layer choices per epoch, validation metric."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train_lines, epochs, evals = (read_log(run_dir, kind) for kind in ("train", "epoch", "eval"))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    ax = axes[0]
+    for term in ("loss", "lm", "feat", "logit", "orth"):
+        points = [(r["step"], r[term]) for r in train_lines if term in r]
+        if points:
+            ax.plot(*zip(*points), label=term)
+    ax.set(title="training loss terms", xlabel="optimizer step", yscale="log")
+    ax.legend()
+
+    ax = axes[1]
+    counted = [r for r in epochs if "router_counts" in r]
+    if counted:
+        layers = list(counted[0]["router_counts"])
+        bottom = np.zeros(len(counted))
+        for layer in layers:
+            share = np.array([r["router_counts"][layer] / max(1, sum(r["router_counts"].values())) for r in counted])
+            ax.bar([r["epoch"] + 1 for r in counted], share, bottom=bottom, label=f"layer {layer}")
+            bottom += share
+        ax.set(title="router: teacher layer chosen (share of examples)", xlabel="epoch", ylim=(0, 1),
+               xticks=[r["epoch"] + 1 for r in counted])
+        ax.legend()
+    else:
+        ax.text(0.5, 0.5, f"no router (method {record['recipe']['method']})", ha="center", va="center")
+        ax.set_axis_off()
+
+    ax = axes[2]
+    metric = record["validation"]["select_metric"]
+    points = [(r["step"], r[metric]) for r in evals if metric in r]
+    if points:
+        ax.plot(*zip(*points), marker="o")
+    ax.set(title=f"validation {metric}", xlabel="optimizer step")
+    fig.suptitle(f"distill {record['recipe']['method']} (router {record['recipe']['router']})")
+    fig.tight_layout()
+    path = run_dir / PLOT_FILE
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
