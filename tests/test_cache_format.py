@@ -19,7 +19,7 @@ from c2kd.cache_schema import (
     content_digest,
     plan_shards,
 )
-from c2kd.cache_schema.synthetic import (
+from synthetic_cache import (
     synthetic_examples,
     synthetic_record,
     synthetic_spec,
@@ -128,7 +128,7 @@ def test_index_and_manifest_readable_without_c2kd(bf16_cache):
     assert set(table.column_names) >= {"example_id", "split", "user", "target", "candidates", "shard",
                                         "token_offset", "token_length", "answer_offset", "answer_length"}
     manifest = json.loads((root / "manifest.json").read_text())
-    assert manifest["complete"] is True and manifest["schema_version"] == 1
+    assert manifest["complete"] is True and manifest["schema_version"] == 2
     assert manifest["totals"]["examples"] == N_EXAMPLES
     assert [s["examples"] for s in manifest["shards"]] == [len(s.example_ids) for s in plan.shards]
     # a shard's arrays are plain Zarr v3: the token slice of the index row is the example's tokens

@@ -15,7 +15,7 @@ import torch
 from typer.testing import CliRunner
 
 from c2kd.cache_schema import TeacherCache, cache_info, content_digest, plan_shards, verify_cache
-from c2kd.cache_schema.synthetic import synthetic_examples, synthetic_spec, write_synthetic_cache
+from synthetic_cache import synthetic_examples, synthetic_spec, write_synthetic_cache
 from c2kd.cli import app
 from c2kd.errors import CacheError
 

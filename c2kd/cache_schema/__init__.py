@@ -7,10 +7,10 @@ from c2kd.cache_schema.batch import CachedBatch
 from c2kd.cache_schema.expect import CacheExpectation
 from c2kd.cache_schema.fingerprints import fingerprint_files, fingerprint_tokenizer
 from c2kd.cache_schema.plan import PlannedShard, ShardPlan, plan_shards
-from c2kd.cache_schema.reader import TeacherCache
+from c2kd.cache_schema.reader import TeacherCache, content_digest
 from c2kd.cache_schema.records import ExampleRecord, answer_positions
 from c2kd.cache_schema.schema import SCHEMA_VERSION, CacheSpec, Compression, LogitsPolicy
-from c2kd.cache_schema.verify import VerifyReport, cache_info, content_digest, verify_cache
+from c2kd.cache_schema.verify import VerifyReport, cache_info, verify_cache
 from c2kd.cache_schema.writer import CacheWriter
 
 __all__ = [

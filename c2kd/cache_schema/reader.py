@@ -1,9 +1,12 @@
-"""Reading a teacher cache (directory or URL, read-only): refusals, random access, batch order.
+"""Reading a teacher cache (directory or URL, read-only): refusals, random access, content digest.
 
 `TeacherCache.open` refuses before any training a cache that is missing, incomplete, of an
-unknown schema version, corrupted (index checksum; every checksum with verify=True) or that does
-not fit the caller's expectation. Zarr arrays are opened lazily per process, so the object can be
-pickled into DataLoader workers.
+unknown schema version, whose manifest was edited (its digest), whose index or assets do not
+match their checksums, or that does not fit the caller's expectation. The first time a shard is
+touched, its files' sizes and metadata checksums are checked and its `examples/*` arrays are
+compared with the index rows (the two copies of per-example data must agree); every chunk read
+is crc32c-checked by Zarr. `c2kd cache verify` checks everything, every byte. Zarr arrays are
+opened lazily per process, so the object can be pickled into DataLoader workers.
 """
 
 from __future__ import annotations
@@ -33,19 +36,17 @@ from c2kd.errors import CacheError
 _DECODE_ERRORS = (ValueError, RuntimeError, OSError, KeyError)
 
 
-def read_manifest(location: CacheLocation) -> dict:
-    """The manifest of a complete cache of a known schema (CacheError otherwise)."""
+def read_manifest(location: CacheLocation, complete: bool = True) -> dict:
+    """The manifest of a cache (CacheError naming the file otherwise); with `complete`, only of a
+    sealed, unmodified cache of a schema version this code reads."""
     try:
         raw = location.read_bytes(S.MANIFEST)
     except FileNotFoundError:
         raise CacheError(
             f"{location}: no {S.MANIFEST} — not a teacher cache, or one whose writing has not started"
         ) from None
-    try:
-        manifest = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise CacheError(f"{location}/{S.MANIFEST}: not valid JSON ({e})") from None
-    return S.check_manifest(manifest, str(location))
+    manifest = S.parse_manifest(raw, f"{location}/{S.MANIFEST}")
+    return S.check_manifest(manifest, str(location)) if complete else manifest
 
 
 def _concat_ranges(offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -67,12 +68,13 @@ class TeacherCache:
         ids = index["example_id"].to_numpy()
         self._order = np.argsort(ids, kind="stable")
         self._sorted_ids = ids[self._order]
-        self._col = {
+        self._col = {  # the index as numpy columns: the read path never touches polars (not fork-safe)
             name: index[name].to_numpy()
-            for name in ("shard", "token_offset", "token_length", "answer_offset", "answer_length", "user", "target")
+            for name in ("example_id", "shard", "token_offset", "token_length", "answer_offset", "answer_length",
+                         "user", "target")
         }
-        self._candidates = _pad_lists(index["candidates"].to_list())
-        self._history = _pad_lists(index["history"].to_list())
+        self._col["candidates"] = _pad_lists(index["candidates"].to_list())
+        self._col["history"] = _pad_lists(index["history"].to_list())
         self._handles: dict[tuple[int, str], Any] = {}  # per process: zarr arrays opened so far
         self._checked: set[int] = set()  # shards whose files were checked against the manifest
         self._handles_pid = os.getpid()
@@ -84,24 +86,24 @@ class TeacherCache:
         path_or_url: str | os.PathLike,
         expect: CacheExpectation | Mapping | None = None,
         *,
-        verify: bool = False,
         storage_options: dict | None = None,
     ) -> TeacherCache:
-        """Open a cache read-only; verify=True also recomputes every checksum first (reads it all)."""
+        """Open a cache read-only (see the module docstring for what is checked when)."""
         location = CacheLocation(path_or_url, storage_options)
         manifest = read_manifest(location)
         spec = S.CacheSpec.from_dict(manifest["spec"])
+        if manifest["arrays"] != S.array_layout(spec):
+            raise CacheError(f"{location}/{S.MANIFEST}: the array layout does not follow from the spec (damaged)")
         check_expectation(spec, expect, str(location))
-        if verify:
-            from c2kd.cache_schema.verify import verify_cache
-
-            report = verify_cache(location)
-            if not report.ok:
-                raise CacheError(f"{location}: cache failed verification: " + "; ".join(report.problems[:5]))
-        raw = location.read_bytes(S.INDEX)
+        try:
+            raw = location.read_bytes(S.INDEX)
+        except FileNotFoundError:
+            raise CacheError(f"{location}/{S.INDEX}: missing; the cache is incomplete or damaged") from None
         if bytes_digest([raw]) != manifest["index"]["sha256"]:
             raise CacheError(f"{location}/{S.INDEX}: checksum does not match the manifest (corrupted or replaced)")
         index = pl.read_parquet(io.BytesIO(raw))
+        if dict(index.schema) != S.index_schema():
+            raise CacheError(f"{location}/{S.INDEX}: columns {dict(index.schema)} are not the index schema")
         if index.height != manifest["totals"]["examples"]:
             raise CacheError(f"{location}/{S.INDEX}: {index.height} rows, manifest says {manifest['totals']['examples']}")
         return cls(location, manifest, index)
@@ -140,7 +142,10 @@ class TeacherCache:
         entry = self.manifest["assets"].get(rel)
         if entry is None:
             raise CacheError(f"{self.location}: asset {rel} is not listed in the manifest")
-        data = self.location.read_bytes(rel)
+        try:
+            data = self.location.read_bytes(rel)
+        except FileNotFoundError:
+            raise CacheError(f"{self.location}/{rel}: missing; the cache is incomplete or damaged") from None
         if bytes_digest([data]) != entry["sha256"]:
             raise CacheError(f"{self.location}/{rel}: checksum does not match the manifest (corrupted)")
         return data
@@ -159,6 +164,8 @@ class TeacherCache:
 
         prefix = S.TOKENIZER_DIR + "/"
         files = [rel for rel in self.manifest["assets"] if rel.startswith(prefix)]
+        if not files:
+            raise CacheError(f"{self.location}: the manifest lists no {S.TOKENIZER_DIR}/ files; the cache is damaged")
         with tempfile.TemporaryDirectory(prefix="c2kd-tokenizer-") as tmp:
             for rel in files:
                 target = Path(tmp) / rel[len(prefix) :]
@@ -187,9 +194,9 @@ class TeacherCache:
         if key not in self._handles:
             rel = S.shard_path(shard)
             entry = self._shard_entries[shard]
-            if shard not in self._checked and self.location.is_local:
-                self._check_local_files(shard, entry)
+            if shard not in self._checked:
                 self._checked.add(shard)
+                self._check_shard(shard, entry)
             try:
                 arr = open_array(self.location.zarr_store(rel), name)
             except _DECODE_ERRORS as e:
@@ -201,12 +208,46 @@ class TeacherCache:
             self._handles[key] = arr
         return self._handles[key]
 
-    def _check_local_files(self, shard: int, entry: dict) -> None:
-        root = self.location.local_root / S.shard_path(shard)
-        for rel, size in entry["files"]:
-            path = root / rel
-            if not path.is_file() or path.stat().st_size != size:
-                raise CacheError(f"{root}: file {rel} is missing or has the wrong size; run `c2kd cache verify`")
+    def _check_shard(self, shard: int, entry: dict) -> None:
+        """First touch of a shard: its files are there with their sizes (local caches), its small
+        metadata files match their checksums, and its examples/* arrays agree with the index."""
+        root = S.shard_path(shard)
+        for rel, size, sha in entry["files"]:
+            where = f"{self.location}/{root}/{rel}"
+            if self.location.is_local:
+                path = self.location.local_root / root / rel
+                if not path.is_file() or path.stat().st_size != size:
+                    raise CacheError(f"{where}: missing or of the wrong size; run `c2kd cache verify`")
+            if rel.endswith("zarr.json"):
+                try:
+                    data = self.location.read_bytes(f"{root}/{rel}")
+                except FileNotFoundError:
+                    raise CacheError(f"{where}: missing; run `c2kd cache verify`") from None
+                if bytes_digest([data]) != sha:
+                    raise CacheError(f"{where}: checksum does not match the manifest (corrupted); run `c2kd cache verify`")
+        # numpy only: polars is not fork-safe, and DataLoader workers are forked readers
+        rows = np.nonzero(self._col["shard"] == shard)[0]
+        for a in S.array_defs(self.spec):
+            if a.rows != "examples":
+                continue
+            stored = self._fetch_all(shard, a.name)
+            expected = self._col[a.field][rows]
+            if a.columns == ("*",):  # zero-padded lists: the shard pads to its own longest
+                width = stored.shape[1] if stored.ndim == 2 else 0
+                same = np.array_equal(expected[:, :width], stored) and not expected[:, width:].any()
+            else:
+                same = np.array_equal(expected, stored)
+            if not same:
+                raise CacheError(f"{self.location}/{root}/{a.name}: differs from the {S.INDEX} rows of this shard; "
+                                 "run `c2kd cache verify`")
+
+    def _fetch_all(self, shard: int, name: str) -> np.ndarray:
+        arr = self._array(shard, name)
+        try:
+            return np.asarray(arr[...])
+        except _DECODE_ERRORS as e:
+            raise CacheError(f"{self.location}/{S.shard_path(shard)}: array {name} is corrupted ({e}); "
+                             "run `c2kd cache verify`") from e
 
     def _fetch(self, shard: int, name: str, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """The rows [offset, offset + length) of each example, concatenated."""
@@ -318,8 +359,8 @@ class TeacherCache:
             example_ids=torch.from_numpy(ids.copy()),
             users=torch.from_numpy(c["user"][rows].astype(np.int64)),
             targets=torch.from_numpy(c["target"][rows].astype(np.int64)),
-            candidates=torch.from_numpy(self._candidates[rows]),
-            history=torch.from_numpy(self._history[rows]),
+            candidates=torch.from_numpy(self._col["candidates"][rows]),
+            history=torch.from_numpy(self._col["history"][rows]),
             input_ids=ints(S.INPUT_IDS, int(spec.pad_token_id)),
             attention_mask=torch.from_numpy(attention),
             slot_items=ints(S.SLOT_ITEMS),
@@ -340,3 +381,37 @@ def _pad_lists(rows: list[list[int]]) -> np.ndarray:
     for i, r in enumerate(rows):
         out[i, : len(r)] = r
     return out
+
+
+def content_digest(cache_or_path: TeacherCache | str | os.PathLike, batch_size: int = 64) -> str:
+    """sha256 of the per-example content (in example-id order), independent of sharding and codecs.
+
+    Two caches of the same examples with the same dtype and policies have equal digests exactly
+    when every example's tokens, positions, hidden states and logits are bit-identical.
+    """
+    import hashlib
+
+    cache = cache_or_path if isinstance(cache_or_path, TeacherCache) else TeacherCache.open(cache_or_path)
+    h = hashlib.sha256()
+    h.update(S.canonical_json({k: v for k, v in cache.spec.to_dict().items() if k not in ("compression", "examples_per_shard")}).encode())
+    ids = np.sort(cache.index["example_id"].to_numpy())
+    split_of = dict(zip(cache.index["example_id"].to_list(), cache.index["split"].to_list()))
+    for start in range(0, len(ids), batch_size):
+        batch = cache.get(ids[start : start + batch_size])
+        for b, example_id in enumerate(batch.example_ids.tolist()):
+            t, a = int(batch.attention_mask[b].sum()), int(batch.answer_mask[b].sum())
+            rows = t if cache.positions == "all" else a
+            parts = [
+                np.int64(example_id).tobytes(), split_of[example_id].encode(),
+                batch.users[b].numpy().tobytes(), batch.targets[b].numpy().tobytes(),
+                batch.history[b].numpy().tobytes(), batch.candidates[b].numpy().tobytes(),
+                batch.input_ids[b, :t].numpy().tobytes(), batch.slot_items[b, :t].numpy().tobytes(),
+                batch.labels[b, :t].numpy().tobytes(), batch.answer_positions[b, :a].numpy().tobytes(),
+            ]
+            tensors = [batch.hidden[layer][b, :rows] for layer in cache.layers] + [batch.final_hidden[b, :a]]
+            tensors += [x[b, :a] for x in (batch.topk_values, batch.topk_indices, batch.full_logits) if x is not None]
+            for x in tensors:
+                parts.append(x.contiguous().view(torch.uint8).numpy().tobytes() if x.numel() else b"")
+            for p in parts:
+                h.update(len(p).to_bytes(8, "little") + p)
+    return h.hexdigest()

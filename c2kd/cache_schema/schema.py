@@ -11,11 +11,15 @@ import json
 import re
 from dataclasses import asdict, dataclass, field, fields
 
+import numpy as np
+import polars as pl
+
+from c2kd.atomic import TMP_PREFIX  # noqa: F401  (temp names being written are never part of the cache)
 from c2kd.errors import CacheError
 
 FORMAT = "c2kd-teacher-cache"
-SCHEMA_VERSION = 1
-KNOWN_SCHEMA_VERSIONS = (1,)
+SCHEMA_VERSION = 2  # 2: per-file checksums and the manifest digest
+KNOWN_SCHEMA_VERSIONS = (2,)
 
 # --- files and folders, relative to the cache root ---------------------------------------------
 MANIFEST = "manifest.json"
@@ -29,7 +33,6 @@ ITEM_EMBEDDINGS_TENSOR = "item_embeddings"
 TEACHER_CONFIG_FILE = "assets/teacher_config.json"
 SHARDS = "shards"
 JOURNAL = "journal"
-TMP_PREFIX = ".tmp-"  # temp folders/files being written; never part of the cache
 
 _SHARD_RE = re.compile(r"^shard-(\d{5,})$")
 
@@ -52,27 +55,24 @@ def journal_name(rank: int) -> str:
 
 
 # --- arrays inside one shard (a Zarr v3 group) ------------------------------------------------
-# token-major: one row per token of every example of the shard, examples concatenated
+# Names; everything else about an array (rows, columns, dtype, index column) is in `array_defs`.
+EXAMPLE_ID = "examples/example_id"
+EXAMPLE_USER = "examples/user"
+EXAMPLE_TARGET = "examples/target"
+EXAMPLE_HISTORY = "examples/history"
+EXAMPLE_CANDIDATES = "examples/candidates"
+EXAMPLE_TOKEN_OFFSET = "examples/token_offset"
+EXAMPLE_TOKEN_LENGTH = "examples/token_length"
+EXAMPLE_ANSWER_OFFSET = "examples/answer_offset"
+EXAMPLE_ANSWER_LENGTH = "examples/answer_length"
 INPUT_IDS = "input_ids"
 SLOT_ITEMS = "slot_items"
 LABELS = "labels"
-TOKEN_ARRAYS = (INPUT_IDS, SLOT_ITEMS, LABELS)
-# answer-major: one row per answer position (p with labels[p+1] != -100), examples concatenated
 ANSWER_POSITIONS = "answer_positions"
 FINAL_HIDDEN = "final_hidden"
 TOPK_VALUES = "topk_values"
 TOPK_INDICES = "topk_indices"
 FULL_LOGITS = "full_logits"
-# example-major: one row per example, in storage order
-EXAMPLE_ID = "examples/example_id"
-EXAMPLE_USER = "examples/user"
-EXAMPLE_TARGET = "examples/target"
-EXAMPLE_HISTORY = "examples/history"  # [E, H] zero-padded (item 0 is padding)
-EXAMPLE_CANDIDATES = "examples/candidates"  # [E, C] zero-padded
-EXAMPLE_TOKEN_OFFSET = "examples/token_offset"
-EXAMPLE_TOKEN_LENGTH = "examples/token_length"
-EXAMPLE_ANSWER_OFFSET = "examples/answer_offset"
-EXAMPLE_ANSWER_LENGTH = "examples/answer_length"
 
 
 def hidden_array(layer: int) -> str:
@@ -91,7 +91,7 @@ COMPRESSORS = ("zstd", "none")
 DEFAULT_ZSTD_LEVEL = 3
 CHUNK_TARGET_BYTES = 256 * 1024  # uncompressed inner-chunk size aimed at (random access granularity)
 
-INDEX_COLUMNS = (
+INDEX_COLUMNS = (  # index.parquet: one row per example, in shard then storage order
     ("example_id", "int64"),
     ("split", "string"),
     ("user", "int32"),
@@ -228,25 +228,31 @@ class CacheSpec:
         """sha256 of the canonical JSON of the spec: resuming requires the same hash."""
         return hashlib.sha256(canonical_json(self.to_dict()).encode()).hexdigest()
 
-    def array_names(self) -> list[str]:
-        """Data arrays a shard of this spec holds (the examples/* arrays come on top)."""
-        names = [*TOKEN_ARRAYS, ANSWER_POSITIONS, *(hidden_array(layer) for layer in self.layers), FINAL_HIDDEN]
-        policy = self.logits_policy
-        if policy.kind == "topk":
-            names += [TOPK_VALUES, TOPK_INDICES]
-        elif policy.kind == "full":
-            names.append(FULL_LOGITS)
-        return names
-
 
 def canonical_json(obj: object) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
 
 
-def check_manifest(manifest: object, where: str) -> dict:
-    """Refuse a manifest that is not a complete cache of a schema version this code reads."""
+def manifest_digest(manifest: dict) -> str:
+    """The cache's identity: sha256 of the sealed manifest's canonical JSON without its `digest` field."""
+    return hashlib.sha256(canonical_json({k: v for k, v in manifest.items() if k != "digest"}).encode()).hexdigest()
+
+
+def parse_manifest(raw: bytes, where: str) -> dict:
+    """The JSON object of a manifest file (CacheError naming the file otherwise)."""
+    try:
+        manifest = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise CacheError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start}); the manifest is damaged") from None
+    except json.JSONDecodeError as e:
+        raise CacheError(f"{where}: not valid JSON ({e}); the manifest is damaged") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CacheError(f"{where}: not a c2kd teacher cache (manifest format is not {FORMAT!r})")
+    return manifest
+
+
+def check_manifest(manifest: dict, where: str) -> dict:
+    """Refuse a manifest that is not a complete, unmodified cache of a schema version this code reads."""
     version = manifest.get("schema_version")
     if version not in KNOWN_SCHEMA_VERSIONS:
         raise CacheError(
@@ -258,39 +264,103 @@ def check_manifest(manifest: object, where: str) -> dict:
             f"{where}: cache is incomplete (still being written, or its writer stopped); "
             "rerun the same `c2kd cache-teacher` command to finish it"
         )
-    for key in ("spec", "shards", "index", "assets", "totals"):
+    for key in ("spec", "shards", "index", "assets", "totals", "arrays", "digest"):
         if key not in manifest:
             raise CacheError(f"{where}: manifest field {key!r} is missing")
+    if manifest["digest"] != manifest_digest(manifest):
+        raise CacheError(f"{where}: the manifest was modified after the cache was sealed (its digest does not match); "
+                         "the cache cannot be trusted")
     return manifest
 
 
-def array_layout(spec: CacheSpec) -> dict[str, dict]:
-    """Name -> {rows, columns, dtype, storage_dtype} of every array a shard of `spec` holds."""
+@dataclass(frozen=True)
+class ArrayDef:
+    """One array of a shard: what its rows are, its columns, dtype and where its values come from.
+
+    rows: "examples" (one per example), "tokens" (one per prompt token, examples concatenated) or
+    "answers" (one per answer position). dtype: "int32", "int64" or "float" (the cache's logical
+    float dtype). columns: the sizes after the row dimension ("*" = the longest list of the shard,
+    zero-padded). field: the ExampleRecord attribute it is written from, or for example-major arrays
+    the index.parquet column that holds the same values (which verify and the reader cross-check).
+    """
+
+    name: str
+    rows: str
+    dtype: str
+    columns: tuple[int | str, ...]
+    dims: tuple[str, ...]
+    field: str
+    layer: int | None = None
+
+    @property
+    def is_float(self) -> bool:
+        return self.dtype == "float"
+
+    def to_json(self, spec: CacheSpec) -> dict:
+        info: dict = {"rows": self.rows, "columns": list(self.columns), "dims": list(self.dims)}
+        if self.is_float:
+            return {**info, "dtype": spec.dtype, "storage_dtype": spec.storage_dtype}
+        return {**info, "dtype": self.dtype}
+
+
+def array_defs(spec: CacheSpec) -> list[ArrayDef]:
+    """Every array a shard of `spec` holds, in writing order: THE layout of a shard."""
     d, v = spec.hidden_size, spec.vocab_size
-    float_dtype = {"dtype": spec.dtype, "storage_dtype": spec.storage_dtype}
+    e, t, a = "example", "token", "answer"
     hidden_rows = "tokens" if spec.positions == "all" else "answers"
-    layout = {
-        EXAMPLE_ID: {"rows": "examples", "columns": [], "dtype": "int64"},
-        EXAMPLE_USER: {"rows": "examples", "columns": [], "dtype": "int32"},
-        EXAMPLE_TARGET: {"rows": "examples", "columns": [], "dtype": "int32"},
-        EXAMPLE_HISTORY: {"rows": "examples", "columns": ["max_history"], "dtype": "int32"},
-        EXAMPLE_CANDIDATES: {"rows": "examples", "columns": ["max_candidates"], "dtype": "int32"},
-        EXAMPLE_TOKEN_OFFSET: {"rows": "examples", "columns": [], "dtype": "int64"},
-        EXAMPLE_TOKEN_LENGTH: {"rows": "examples", "columns": [], "dtype": "int32"},
-        EXAMPLE_ANSWER_OFFSET: {"rows": "examples", "columns": [], "dtype": "int64"},
-        EXAMPLE_ANSWER_LENGTH: {"rows": "examples", "columns": [], "dtype": "int32"},
-        INPUT_IDS: {"rows": "tokens", "columns": [], "dtype": "int32"},
-        SLOT_ITEMS: {"rows": "tokens", "columns": [], "dtype": "int32"},
-        LABELS: {"rows": "tokens", "columns": [], "dtype": "int32"},
-        ANSWER_POSITIONS: {"rows": "answers", "columns": [], "dtype": "int32"},
-        FINAL_HIDDEN: {"rows": "answers", "columns": [d], **float_dtype},
-    }
-    for layer in spec.layers:
-        layout[hidden_array(layer)] = {"rows": hidden_rows, "columns": [d], **float_dtype}
+    defs = [
+        ArrayDef(EXAMPLE_ID, "examples", "int64", (), (e,), "example_id"),
+        ArrayDef(EXAMPLE_USER, "examples", "int32", (), (e,), "user"),
+        ArrayDef(EXAMPLE_TARGET, "examples", "int32", (), (e,), "target"),
+        ArrayDef(EXAMPLE_HISTORY, "examples", "int32", ("*",), (e, "history"), "history"),
+        ArrayDef(EXAMPLE_CANDIDATES, "examples", "int32", ("*",), (e, "candidate"), "candidates"),
+        ArrayDef(EXAMPLE_TOKEN_OFFSET, "examples", "int64", (), (e,), "token_offset"),
+        ArrayDef(EXAMPLE_TOKEN_LENGTH, "examples", "int32", (), (e,), "token_length"),
+        ArrayDef(EXAMPLE_ANSWER_OFFSET, "examples", "int64", (), (e,), "answer_offset"),
+        ArrayDef(EXAMPLE_ANSWER_LENGTH, "examples", "int32", (), (e,), "answer_length"),
+        ArrayDef(INPUT_IDS, "tokens", "int32", (), (t,), "input_ids"),
+        ArrayDef(SLOT_ITEMS, "tokens", "int32", (), (t,), "slot_items"),
+        ArrayDef(LABELS, "tokens", "int32", (), (t,), "labels"),
+        ArrayDef(ANSWER_POSITIONS, "answers", "int32", (), (a,), "answers"),
+        *(ArrayDef(hidden_array(l), hidden_rows, "float", (d,), (hidden_rows[:-1], "feature"), "hidden", l)
+          for l in spec.layers),
+        ArrayDef(FINAL_HIDDEN, "answers", "float", (d,), (a, "feature"), "final_hidden"),
+    ]
     policy = spec.logits_policy
     if policy.kind == "topk":
-        layout[TOPK_VALUES] = {"rows": "answers", "columns": [policy.k], **float_dtype}
-        layout[TOPK_INDICES] = {"rows": "answers", "columns": [policy.k], "dtype": "int32"}
+        defs += [ArrayDef(TOPK_VALUES, "answers", "float", (policy.k,), (a, "rank"), "topk_values"),
+                 ArrayDef(TOPK_INDICES, "answers", "int32", (policy.k,), (a, "rank"), "topk_indices")]
     elif policy.kind == "full":
-        layout[FULL_LOGITS] = {"rows": "answers", "columns": [v], **float_dtype}
-    return layout
+        defs.append(ArrayDef(FULL_LOGITS, "answers", "float", (v,), (a, "vocab"), "full_logits"))
+    return defs
+
+
+def array_layout(spec: CacheSpec) -> dict[str, dict]:
+    """The layout as the manifest records it: name -> {rows, columns, dims, dtype[, storage_dtype]}."""
+    return {a.name: a.to_json(spec) for a in array_defs(spec)}
+
+
+_POLARS_TYPES = {"int64": pl.Int64, "int32": pl.Int32, "string": pl.String, "list<int32>": pl.List(pl.Int32)}
+
+
+def index_schema() -> dict[str, pl.DataType]:
+    return {name: _POLARS_TYPES[kind] for name, kind in INDEX_COLUMNS}
+
+
+def index_rows(spec: CacheSpec, example_arrays: dict[str, np.ndarray], split: str, shard: int) -> pl.DataFrame:
+    """The index rows of one shard from its example-major arrays (name -> values): the index holds
+    the same values, zero-padded lists unpadded (item 0 is padding)."""
+    columns: dict = {}
+    for a in array_defs(spec):
+        if a.rows != "examples":
+            continue
+        values = example_arrays[a.name]
+        columns[a.field] = [r[r != 0].tolist() for r in values] if a.columns == ("*",) else values
+    n = len(columns["example_id"])
+    columns.update(split=[split] * n, shard=[shard] * n)
+    types = index_schema()
+    return pl.DataFrame({name: pl.Series(columns[name], dtype=types[name]) for name, _ in INDEX_COLUMNS})
+
+
+def example_array_names(spec: CacheSpec) -> list[str]:
+    return [a.name for a in array_defs(spec) if a.rows == "examples"]

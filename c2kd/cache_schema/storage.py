@@ -1,12 +1,8 @@
-"""Where a cache lives: a local directory (read/write) or a URL read through fsspec (read-only).
-
-Also the durable-write helpers the writer relies on: fsync'd files and folders, atomic renames.
-"""
+"""Where a cache lives: a local directory (read/write) or a URL read through fsspec (read-only)."""
 
 from __future__ import annotations
 
 import os
-import uuid
 from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,49 +12,12 @@ import fsspec
 from zarr.abc.store import OffsetByteRequest, RangeByteRequest, SuffixByteRequest
 from zarr.storage import FsspecStore, LocalStore, WrapperStore
 
-from c2kd.cache_schema.schema import TMP_PREFIX
 from c2kd.errors import CacheError
 
 READ_BLOCK = 8 * 1024 * 1024
 
 
-# --- durable local writes ---------------------------------------------------------------------
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(root: Path) -> None:
-    """fsync every file, then every folder bottom-up, so a later rename publishes durable bytes."""
-    for dirpath, _dirnames, filenames in os.walk(root, topdown=False):
-        for name in filenames:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fsync_dir(Path(dirpath))
-
-
-def temp_sibling(path: Path, tag: str = "") -> Path:
-    """A fresh temp name next to `path` (same file system, so the final rename is atomic)."""
-    return path.parent / f"{TMP_PREFIX}{path.name}{tag}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write `data` to `path` so that readers see either the old file or the whole new one."""
-    tmp = temp_sibling(path)
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
+# --- local files ------------------------------------------------------------------------------
 def list_local_files(root: Path) -> list[tuple[str, int]]:
     """(posix path relative to root, size) of every file under root, sorted by path."""
     out = []

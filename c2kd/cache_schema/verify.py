@@ -1,4 +1,11 @@
-"""`verify_cache` (schema, completeness, index consistency, every checksum) and `cache_info`."""
+"""`verify_cache`: every byte and every manifest field that can be recomputed, and `cache_info`.
+
+Verify trusts nothing but the manifest's own digest: it recomputes the spec hash, the array layout,
+the copied teacher config, every asset's size and checksum, the index (checksum, schema, rows,
+offsets, and its agreement with each shard's `examples/*` arrays), each shard's files (sizes,
+per-file checksums, the shard checksum), its example ids digest, its row counts and array shapes,
+and the totals. Every problem names the file (or manifest field) and what was expected.
+"""
 
 from __future__ import annotations
 
@@ -9,25 +16,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 import polars as pl
 
 from c2kd.cache_schema import schema as S
 from c2kd.cache_schema.checksum import bytes_digest, files_digest
+from c2kd.cache_schema.plan import example_ids_digest
+from c2kd.cache_schema.reader import read_manifest
 from c2kd.cache_schema.storage import CacheLocation, list_local_files
 from c2kd.cache_schema.zarr_io import open_array
 from c2kd.errors import CacheError
 
-_EXAMPLE_ARRAYS = {
-    "example_id": S.EXAMPLE_ID,
-    "token_offset": S.EXAMPLE_TOKEN_OFFSET,
-    "token_length": S.EXAMPLE_TOKEN_LENGTH,
-    "answer_offset": S.EXAMPLE_ANSWER_OFFSET,
-    "answer_length": S.EXAMPLE_ANSWER_LENGTH,
-    "user": S.EXAMPLE_USER,
-    "target": S.EXAMPLE_TARGET,
-}
-_POLARS_TYPES = {"int64": pl.Int64, "int32": pl.Int32, "string": pl.String, "list<int32>": pl.List(pl.Int32)}
+_READ_ERRORS = (ValueError, RuntimeError, OSError, KeyError, TypeError)
 
 
 @dataclass
@@ -37,6 +36,7 @@ class VerifyReport:
     bad_shards: list[str] = field(default_factory=list)
     shards_checked: int = 0
     bytes_checked: int = 0
+    digest: str | None = None  # the cache's identity (its manifest digest), when the manifest is sound
 
     @property
     def ok(self) -> bool:
@@ -45,7 +45,7 @@ class VerifyReport:
     def bad(self, shard: str, problem: str) -> None:
         if shard not in self.bad_shards:
             self.bad_shards.append(shard)
-        self.problems.append(f"{shard}: {problem}")
+        self.problems.append(f"{S.SHARDS}/{shard}{problem}")
 
 
 def _location(path_or_url: str | os.PathLike | CacheLocation, storage_options: dict | None) -> CacheLocation:
@@ -57,33 +57,25 @@ def verify_cache(
     storage_options: dict | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> VerifyReport:
-    """Check a cache completely; the report names every bad shard. `progress(done, total)` per shard."""
+    """Check a cache completely; the report names every bad file. `progress(done, total)` per shard."""
     loc = _location(path_or_url, storage_options)
     report = VerifyReport(str(loc))
     try:
-        from c2kd.cache_schema.reader import read_manifest
-
         manifest = read_manifest(loc)
         spec = S.CacheSpec.from_dict(manifest["spec"])
-    except CacheError as e:
+    except (CacheError, TypeError) as e:
         report.problems.append(str(e))
         return report
-
-    for rel, entry in manifest["assets"].items():
-        try:
-            digest = bytes_digest(loc.iter_bytes(rel))
-        except FileNotFoundError:
-            report.problems.append(f"{rel}: missing")
-            continue
-        if digest != entry["sha256"]:
-            report.problems.append(f"{rel}: checksum mismatch (corrupted)")
-
+    report.digest = manifest["digest"]
+    _check_manifest_fields(loc, manifest, spec, report)
+    _check_assets(loc, manifest, report)
     index = _check_index(loc, manifest, report)
     shards = manifest["shards"]
-    totals = manifest["totals"]
-    for key in ("examples", "tokens", "answers"):
-        if sum(s[key] for s in shards) != totals[key]:
-            report.problems.append(f"manifest: shard {key} do not add up to totals.{key}")
+    if loc.is_local and (loc.local_root / S.SHARDS).is_dir():
+        listed = {s.get("name") for s in shards}
+        stray = sorted(p.name for p in (loc.local_root / S.SHARDS).iterdir() if p.name not in listed)
+        if stray:
+            report.problems.append(f"{S.SHARDS}/: {', '.join(stray[:5])} not listed in the manifest (stray files)")
     for i, entry in enumerate(shards):
         _check_shard(loc, spec, entry, index, report)
         report.shards_checked += 1
@@ -92,25 +84,83 @@ def verify_cache(
     return report
 
 
+def _check_manifest_fields(loc: CacheLocation, manifest: dict, spec: S.CacheSpec, report: VerifyReport) -> None:
+    """The manifest fields that follow from others."""
+    where = S.MANIFEST
+    if manifest.get("spec_hash") != spec.spec_hash:
+        report.problems.append(f"{where}: spec_hash does not match the spec (expected {spec.spec_hash[:16]}…)")
+    if manifest.get("dtype") != {"logical": spec.dtype, "storage": spec.storage_dtype}:
+        report.problems.append(f"{where}: dtype {manifest.get('dtype')} does not match spec.dtype {spec.dtype!r}")
+    if manifest["arrays"] != S.array_layout(spec):
+        report.problems.append(f"{where}: arrays do not match the layout the spec implies")
+    try:
+        copied = json.loads(loc.read_bytes(S.TEACHER_CONFIG_FILE))
+        if manifest.get("teacher_config") != copied:
+            report.problems.append(f"{where}: teacher_config differs from {S.TEACHER_CONFIG_FILE}")
+    except (FileNotFoundError, ValueError):
+        pass  # reported by the asset check
+    shards = manifest["shards"]
+    if [s.get("shard") for s in shards] != list(range(len(shards))):
+        report.problems.append(f"{where}: shards are not numbered 0..{len(shards) - 1} in order")
+    totals = manifest["totals"]
+    for key, of in (("examples", "examples"), ("tokens", "tokens"), ("answers", "answers"), ("shard_bytes", "bytes")):
+        if sum(int(s.get(of, 0)) for s in shards) != totals.get(key):
+            report.problems.append(f"{where}: totals.{key} is not the sum over the shards")
+    per_split: dict[str, int] = {}
+    for s in shards:
+        per_split[s.get("split")] = per_split.get(s.get("split"), 0) + int(s.get("examples", 0))
+    if totals.get("splits") != per_split or set(per_split) - set(spec.splits):
+        report.problems.append(f"{where}: totals.splits {totals.get('splits')} do not match the shards {per_split}")
+    for s in shards:
+        name = S.shard_name(int(s.get("shard", -1)))
+        if s.get("name") != name:
+            report.problems.append(f"{where}: shard {s.get('shard')} is named {s.get('name')!r}, expected {name!r}")
+        if s.get("bytes") != sum(int(f[1]) for f in s.get("files", [])):
+            report.problems.append(f"{where}: {name} bytes is not the sum of its file sizes")
+
+
+def _check_assets(loc: CacheLocation, manifest: dict, report: VerifyReport) -> None:
+    assets = manifest["assets"]
+    for need in (S.HEAD_FILE, S.ITEM_EMBEDDINGS_FILE, S.TEACHER_CONFIG_FILE):
+        if need not in assets:
+            report.problems.append(f"{S.MANIFEST}: asset {need} is not listed")
+    if not any(rel.startswith(S.TOKENIZER_DIR + "/") for rel in assets):
+        report.problems.append(f"{S.MANIFEST}: no {S.TOKENIZER_DIR}/ files are listed")
+    for rel, entry in assets.items():
+        try:
+            data = loc.read_bytes(rel)
+        except FileNotFoundError:
+            report.problems.append(f"{rel}: missing")
+            continue
+        if len(data) != entry.get("bytes") or bytes_digest([data]) != entry.get("sha256"):
+            report.problems.append(f"{rel}: checksum or size mismatch (corrupted)")
+    if loc.is_local and (loc.local_root / S.ASSETS).is_dir():
+        stray = sorted(f"{S.ASSETS}/{rel}" for rel, _ in list_local_files(loc.local_root / S.ASSETS)
+                       if f"{S.ASSETS}/{rel}" not in assets)
+        if stray:
+            report.problems.append(f"{', '.join(stray[:3])}: not listed in the manifest (stray files)")
+
+
 def _check_index(loc: CacheLocation, manifest: dict, report: VerifyReport) -> pl.DataFrame | None:
     try:
         raw = loc.read_bytes(S.INDEX)
     except FileNotFoundError:
         report.problems.append(f"{S.INDEX}: missing")
         return None
-    if bytes_digest([raw]) != manifest["index"]["sha256"]:
-        report.problems.append(f"{S.INDEX}: checksum mismatch (corrupted or replaced)")
+    entry = manifest["index"]
+    if bytes_digest([raw]) != entry.get("sha256") or len(raw) != entry.get("bytes"):
+        report.problems.append(f"{S.INDEX}: checksum or size mismatch (corrupted or replaced)")
         return None
-    index = pl.read_parquet(io.BytesIO(raw))
-    for name, kind in S.INDEX_COLUMNS:
-        if name not in index.columns:
-            report.problems.append(f"{S.INDEX}: column {name!r} missing")
-        elif index.schema[name] != _POLARS_TYPES[kind]:
-            report.problems.append(f"{S.INDEX}: column {name!r} is {index.schema[name]}, expected {kind}")
-    if report.problems:
+    try:
+        index = pl.read_parquet(io.BytesIO(raw))
+    except Exception as e:  # noqa: BLE001 - any Parquet decoding error means the same: unreadable
+        report.problems.append(f"{S.INDEX}: unreadable Parquet ({type(e).__name__}: {e})")
         return None
-    if index.height != manifest["totals"]["examples"]:
-        report.problems.append(f"{S.INDEX}: {index.height} rows, manifest totals say {manifest['totals']['examples']}")
+    if dict(index.schema) != S.index_schema():
+        report.problems.append(f"{S.INDEX}: columns {dict(index.schema)}, expected {S.index_schema()}")
+        return None
+    if index.height != entry.get("rows") or index.height != manifest["totals"]["examples"]:
+        report.problems.append(f"{S.INDEX}: {index.height} rows, the manifest says {entry.get('rows')}")
     if index["example_id"].n_unique() != index.height:
         report.problems.append(f"{S.INDEX}: example ids are not unique")
     known = {int(s["shard"]) for s in manifest["shards"]}
@@ -120,97 +170,95 @@ def _check_index(loc: CacheLocation, manifest: dict, report: VerifyReport) -> pl
     return index
 
 
-def _check_shard(loc: CacheLocation, spec: S.CacheSpec, entry: dict, index: pl.DataFrame | None, report: VerifyReport) -> None:
+def _check_shard(loc: CacheLocation, spec: S.CacheSpec, entry: dict, index: pl.DataFrame | None,
+                 report: VerifyReport) -> None:
     sid = int(entry["shard"])
     name = S.shard_name(sid)
     rel_root = S.shard_path(sid)
-    files = [(rel, int(size)) for rel, size in entry["files"]]
+    files = [(rel, int(size)) for rel, size, _ in entry["files"]]
+    shas = {rel: sha for rel, _, sha in entry["files"]}
     if loc.is_local:
         on_disk = list_local_files(loc.local_root / rel_root) if (loc.local_root / rel_root).is_dir() else []
         if not on_disk:
-            report.bad(name, "folder missing")
+            report.bad(name, ": folder missing")
             return
-        if on_disk != files:
-            extra = sorted({f for f, _ in on_disk} - {f for f, _ in files})
-            report.bad(name, f"files differ from the manifest (extra: {extra[:3]})" if extra else "file missing or resized")
+        extra = sorted({f for f, _ in on_disk} - set(shas))
+        if extra:
+            report.bad(name, f"/{extra[0]}: not listed in the manifest (stray file)")
+        sizes = dict(on_disk)
+        for rel, size in files:
+            if rel not in sizes:
+                report.bad(name, f"/{rel}: missing")
+            elif sizes[rel] != size:
+                report.bad(name, f"/{rel}: {sizes[rel]} bytes, the manifest says {size}")
+        if name in report.bad_shards:
+            return
     try:
-        digest = files_digest(files, lambda rel: loc.iter_bytes(f"{rel_root}/{rel}"))
-        report.bytes_checked += sum(size for _, size in files)
-        if digest != entry["sha256"]:
-            report.bad(name, "checksum mismatch (a file is corrupted)")
+        digest, per_file = files_digest(files, lambda rel: loc.iter_bytes(f"{rel_root}/{rel}"))
     except FileNotFoundError as e:
-        report.bad(name, f"file missing ({e.filename or e})")
+        report.bad(name, f": file missing ({e.filename or e})")
         return
     except ValueError as e:
-        report.bad(name, f"file truncated or grown ({e})")
+        report.bad(name, f": file truncated or grown ({e})")
         return
-    if index is None:
+    report.bytes_checked += sum(size for _, size in files)
+    damaged = [rel for rel, sha in per_file.items() if sha != shas[rel]]
+    for rel in damaged:
+        report.bad(name, f"/{rel}: checksum mismatch (corrupted)")
+    if digest != entry["sha256"] and not damaged:
+        report.bad(name, ": the shard checksum in the manifest does not match its files")
+    if damaged:
         return
-    rows = index.filter(pl.col("shard") == sid)
-    if rows.height != entry["examples"]:
-        report.bad(name, f"index has {rows.height} examples, manifest says {entry['examples']}")
-        return
-    if set(rows["split"].unique().to_list()) - {entry["split"]}:
-        report.bad(name, "index rows name another split")
-    tok, ans = rows["token_length"].to_numpy(), rows["answer_length"].to_numpy()
-    if int(tok.sum()) != entry["tokens"] or int(ans.sum()) != entry["answers"]:
-        report.bad(name, "index token/answer lengths do not add up to the manifest counts")
-    for col, lengths in (("token_offset", tok), ("answer_offset", ans)):
-        expected = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if len(lengths) else lengths
-        if not np.array_equal(rows[col].to_numpy(), expected):
-            report.bad(name, f"index {col} is not contiguous in storage order")
-    store = loc.zarr_store(rel_root)
     try:
-        for col, arr_name in _EXAMPLE_ARRAYS.items():
-            stored = np.asarray(open_array(store, arr_name)[...])
-            if not np.array_equal(stored, rows[col].to_numpy()):
-                report.bad(name, f"index column {col} differs from the shard's {arr_name}")
-        counts = {"tokens": entry["tokens"], "answers": entry["answers"], "examples": entry["examples"]}
-        for arr_name, info in S.array_layout(spec).items():
-            shape = open_array(store, arr_name).shape
-            fixed = [c for c in info["columns"] if isinstance(c, int)]
-            if shape[0] != counts[info["rows"]] or (fixed and list(shape[1:]) != fixed):
-                report.bad(name, f"array {arr_name} has shape {shape}, expected ({counts[info['rows']]}, {fixed})")
-    except (ValueError, RuntimeError, OSError, KeyError) as e:
-        report.bad(name, f"unreadable ({e})")
+        _check_shard_content(loc.zarr_store(rel_root), spec, entry, index, name, report)
+    except _READ_ERRORS as e:
+        report.bad(name, f": unreadable ({e})")
 
 
-def _dir_bytes(loc: CacheLocation, manifest: dict) -> dict[str, int]:
-    shards = sum(int(s["bytes"]) for s in manifest.get("shards", []))
-    assets = sum(int(a["bytes"]) for a in manifest.get("assets", {}).values())
-    index = int(manifest.get("index", {}).get("bytes", 0))
-    return {"shards": shards, "index": index, "assets": assets, "total": shards + index + assets}
-
-
-def _array_bytes(manifest: dict) -> dict[str, int]:
-    """Bytes on disk per array name over all shards (group metadata under "metadata")."""
-    arrays = set(manifest.get("arrays", {}))
-    out: dict[str, int] = {}
-    for shard in manifest.get("shards", []):
-        for rel, size in shard["files"]:
-            parent = rel.rsplit("/", 1)[0] if "/" in rel else ""
-            name = parent if parent in arrays else "metadata"
-            out[name] = out.get(name, 0) + int(size)
-    return dict(sorted(out.items()))
+def _check_shard_content(store, spec: S.CacheSpec, entry: dict, index: pl.DataFrame | None, name: str,
+                         report: VerifyReport) -> None:
+    """Row counts, array shapes, the example ids digest, and the index rows of this shard."""
+    counts = {"tokens": entry["tokens"], "answers": entry["answers"], "examples": entry["examples"]}
+    examples: dict[str, np.ndarray] = {}
+    for a in S.array_defs(spec):
+        arr = open_array(store, a.name)
+        fixed = [c for c in a.columns if isinstance(c, int)]
+        if arr.shape[0] != counts[a.rows] or list(arr.shape[1 : 1 + len(fixed)]) != fixed:
+            report.bad(name, f"/{a.name}: shape {arr.shape}, expected ({counts[a.rows]}, {', '.join(map(str, a.columns))})")
+        if a.rows == "examples":
+            examples[a.name] = np.asarray(arr[...])
+    if len(examples) < len(S.example_array_names(spec)):
+        return
+    if example_ids_digest(examples[S.EXAMPLE_ID].tolist()) != entry.get("example_ids_sha256"):
+        report.bad(name, ": example_ids_sha256 in the manifest does not match its example ids")
+    if int(examples[S.EXAMPLE_TOKEN_LENGTH].sum()) != entry["tokens"] or \
+            int(examples[S.EXAMPLE_ANSWER_LENGTH].sum()) != entry["answers"]:
+        report.bad(name, ": token/answer lengths do not add up to the manifest counts")
+    for offsets, lengths in ((S.EXAMPLE_TOKEN_OFFSET, S.EXAMPLE_TOKEN_LENGTH), (S.EXAMPLE_ANSWER_OFFSET, S.EXAMPLE_ANSWER_LENGTH)):
+        n = examples[lengths]
+        if not np.array_equal(examples[offsets], np.concatenate([[0], np.cumsum(n)[:-1]]) if len(n) else n):
+            report.bad(name, f"/{offsets}: offsets are not contiguous in storage order")
+    if index is not None:
+        rows = index.filter(pl.col("shard") == entry["shard"])
+        if not S.index_rows(spec, examples, entry["split"], entry["shard"]).equals(rows):
+            report.bad(name, f": its examples/* arrays and the {S.INDEX} rows differ")
 
 
 def cache_info(path_or_url: str | os.PathLike | CacheLocation, storage_options: dict | None = None) -> dict:
     """A summary of a cache (works on an incomplete one too: `complete` is then False)."""
     loc = _location(path_or_url, storage_options)
-    try:
-        manifest = json.loads(loc.read_bytes(S.MANIFEST))
-    except FileNotFoundError:
-        raise CacheError(f"{loc}: no {S.MANIFEST} — not a teacher cache") from None
-    except json.JSONDecodeError as e:
-        raise CacheError(f"{loc}/{S.MANIFEST}: not valid JSON ({e})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != S.FORMAT:
-        raise CacheError(f"{loc}: not a c2kd teacher cache")
+    manifest = read_manifest(loc, complete=False)
     spec = manifest.get("spec", {})
     totals = manifest.get("totals", {})
-    sizes = _dir_bytes(loc, manifest)
+    shards = manifest.get("shards", [])
+    sizes = {"shards": sum(int(s["bytes"]) for s in shards),
+             "index": int(manifest.get("index", {}).get("bytes", 0)),
+             "assets": sum(int(a["bytes"]) for a in manifest.get("assets", {}).values())}
+    sizes["total"] = sum(sizes.values())
     tokens, answers = int(totals.get("tokens", 0)), int(totals.get("answers", 0))
     info = {
         "path": str(loc),
+        "digest": manifest.get("digest"),
         "schema_version": manifest.get("schema_version"),
         "complete": bool(manifest.get("complete")),
         "created_by": manifest.get("created_by"),
@@ -230,7 +278,7 @@ def cache_info(path_or_url: str | os.PathLike | CacheLocation, storage_options: 
         "logits": spec.get("logits"),
         "compression": spec.get("compression"),
         "examples_per_shard": spec.get("examples_per_shard"),
-        "shards": len(manifest.get("shards", [])),
+        "shards": len(shards),
         "examples": int(totals.get("examples", 0)),
         "splits": totals.get("splits", {}),
         "tokens": tokens,
@@ -238,45 +286,21 @@ def cache_info(path_or_url: str | os.PathLike | CacheLocation, storage_options: 
         "bytes": sizes,
         "bytes_per_token": sizes["shards"] / tokens if tokens else None,
         "bytes_per_answer_token": sizes["shards"] / answers if answers else None,
+        "array_bytes": _array_bytes(manifest),
     }
-    info["array_bytes"] = _array_bytes(manifest)
     if not info["complete"] and loc.is_local:
         journals = (loc.local_root / S.JOURNAL).glob("rank-*.jsonl")
         info["shards_written"] = sum(1 for p in journals for line in p.read_text().splitlines() if line.strip())
     return info
 
 
-def content_digest(cache_or_path: object, batch_size: int = 64) -> str:
-    """sha256 of the per-example content (in example-id order), independent of sharding and codecs.
-
-    Two caches of the same examples with the same dtype and policies have equal digests exactly
-    when every example's tokens, positions, hidden states and logits are bit-identical.
-    """
-    import hashlib
-
-    from c2kd.cache_schema.reader import TeacherCache
-
-    cache = cache_or_path if isinstance(cache_or_path, TeacherCache) else TeacherCache.open(cache_or_path)
-    h = hashlib.sha256()
-    h.update(S.canonical_json({k: v for k, v in cache.spec.to_dict().items() if k not in ("compression", "examples_per_shard")}).encode())
-    ids = np.sort(cache.index["example_id"].to_numpy())
-    split_of = dict(zip(cache.index["example_id"].to_list(), cache.index["split"].to_list()))
-    for start in range(0, len(ids), batch_size):
-        batch = cache.get(ids[start : start + batch_size])
-        for b, example_id in enumerate(batch.example_ids.tolist()):
-            t, a = int(batch.attention_mask[b].sum()), int(batch.answer_mask[b].sum())
-            rows = t if cache.positions == "all" else a
-            parts = [
-                np.int64(example_id).tobytes(), split_of[example_id].encode(),
-                batch.users[b].numpy().tobytes(), batch.targets[b].numpy().tobytes(),
-                batch.history[b].numpy().tobytes(), batch.candidates[b].numpy().tobytes(),
-                batch.input_ids[b, :t].numpy().tobytes(), batch.slot_items[b, :t].numpy().tobytes(),
-                batch.labels[b, :t].numpy().tobytes(), batch.answer_positions[b, :a].numpy().tobytes(),
-            ]
-            tensors = [batch.hidden[layer][b, :rows] for layer in cache.layers] + [batch.final_hidden[b, :a]]
-            tensors += [x[b, :a] for x in (batch.topk_values, batch.topk_indices, batch.full_logits) if x is not None]
-            for x in tensors:
-                parts.append(x.contiguous().view(torch.uint8).numpy().tobytes() if x.numel() else b"")
-            for p in parts:
-                h.update(len(p).to_bytes(8, "little") + p)
-    return h.hexdigest()
+def _array_bytes(manifest: dict) -> dict[str, int]:
+    """Bytes on disk per array name over all shards (group metadata under "metadata")."""
+    arrays = set(manifest.get("arrays", {}))
+    out: dict[str, int] = {}
+    for shard in manifest.get("shards", []):
+        for rel, size, *_ in shard["files"]:
+            parent = rel.rsplit("/", 1)[0] if "/" in rel else ""
+            name = parent if parent in arrays else "metadata"
+            out[name] = out.get(name, 0) + int(size)
+    return dict(sorted(out.items()))

@@ -10,6 +10,7 @@ is journaled, writes the merged index, then the manifest with complete=true (ato
 from __future__ import annotations
 
 import datetime as _dt
+import io
 import json
 import os
 import shutil
@@ -24,13 +25,14 @@ import torch
 from safetensors.torch import save_file
 
 from c2kd import __version__
+from c2kd.atomic import publish_dir, staged_dir, temp_sibling, write_bytes
 from c2kd.cache_schema import schema as S
 from c2kd.cache_schema.checksum import bytes_digest, files_digest
 from c2kd.cache_schema.dtypes import to_storage
 from c2kd.cache_schema.plan import ShardPlan, example_ids_digest
 from c2kd.cache_schema.records import ExampleRecord, check_record
 from c2kd.cache_schema.schema import CacheSpec
-from c2kd.cache_schema.storage import atomic_write_bytes, fsync_dir, fsync_tree, list_local_files, temp_sibling
+from c2kd.cache_schema.storage import list_local_files
 from c2kd.cache_schema.zarr_io import open_array, write_group
 from c2kd.errors import CacheError
 
@@ -95,13 +97,10 @@ class CacheWriter:
     def _check_existing(self) -> bool:
         """Refuse a folder holding something else; say whether it holds this cache, finished."""
         manifest_path = self.root / S.MANIFEST
+        if self.root.exists() and not self.root.is_dir():
+            raise CacheError(f"{self.root}: exists and is not a folder; choose another output folder")
         if manifest_path.is_file():
-            try:
-                manifest = json.loads(manifest_path.read_text())
-            except json.JSONDecodeError as e:
-                raise CacheError(f"{manifest_path}: unreadable manifest ({e})") from None
-            if manifest.get("format") != S.FORMAT:
-                raise CacheError(f"{self.root}: holds something that is not a c2kd teacher cache")
+            manifest = S.parse_manifest(manifest_path.read_bytes(), str(manifest_path))
             if manifest.get("schema_version") != S.SCHEMA_VERSION:
                 raise CacheError(
                     f"{self.root}: a cache of schema version {manifest.get('schema_version')!r}; this c2kd writes "
@@ -138,7 +137,9 @@ class CacheWriter:
             "dtype": {"logical": self.spec.dtype, "storage": self.spec.storage_dtype},
             **fields,
         }
-        atomic_write_bytes(self.root / S.MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
+        if manifest["complete"]:
+            manifest["digest"] = S.manifest_digest(manifest)
+        write_bytes(self.root / S.MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode(), durable=True)
 
     def _journal_path(self, rank: int) -> Path:
         return self.root / S.journal_name(rank)
@@ -150,19 +151,24 @@ class CacheWriter:
             return
         data = path.read_bytes()
         if data and not data.endswith(b"\n"):
-            atomic_write_bytes(path, data[: data.rfind(b"\n") + 1])
+            write_bytes(path, data[: data.rfind(b"\n") + 1], durable=True)
 
     def _read_journals(self) -> dict[int, dict]:
         """The latest journal entry per shard, from the journals of every rank."""
         entries: dict[int, dict] = {}
         for path in sorted((self.root / S.JOURNAL).glob("rank-*.jsonl")):
-            for line in path.read_bytes().split(b"\n"):
+            data = path.read_bytes()
+            lines = data.split(b"\n")
+            for number, line in enumerate(lines, 1):
                 if not line.strip():
                     continue
                 try:
                     entry = json.loads(line)
                 except json.JSONDecodeError:
-                    continue  # another rank's line being appended right now; not a finished shard
+                    if number == len(lines) and not data.endswith(b"\n"):
+                        continue  # a line being appended right now (or torn by a crash): not a finished shard
+                    raise CacheError(f"{path}: line {number} is not a journal entry (the journal is damaged); "
+                                     "delete the cache folder and write it again") from None
                 if entry.get("spec_hash") != self.spec_hash:
                     raise CacheError(
                         f"{path}: shards of a cache made with other settings; choose another output folder"
@@ -184,8 +190,8 @@ class CacheWriter:
         shards = self.root / S.SHARDS
         for p in shards.iterdir():
             name = p.name
-            if name.startswith(S.TMP_PREFIX):
-                sid = S.parse_shard_name(name[len(S.TMP_PREFIX) :].split("-tmp", 1)[0])
+            if name.startswith(S.TMP_PREFIX):  # .tmp-shard-00003-<pid>-<random>
+                sid = S.parse_shard_name("-".join(name[len(S.TMP_PREFIX) :].split("-")[:2]))
                 if sid is None or self._owns(sid):
                     shutil.rmtree(p, ignore_errors=True)
                 continue
@@ -222,23 +228,16 @@ class CacheWriter:
         emb = torch.as_tensor(item_embeddings).detach().cpu().contiguous()
         if emb.ndim != 2 or not emb.is_floating_point():
             raise CacheError(f"item embeddings must be a 2-D float tensor, got {tuple(emb.shape)} {emb.dtype}")
-        final = self.root / S.ASSETS
-        tmp = temp_sibling(final)
-        tmp.mkdir(parents=True)
-        if hasattr(tokenizer, "save_pretrained"):
-            tokenizer.save_pretrained(str(tmp / "tokenizer"))
-        elif Path(tokenizer).is_dir():
-            shutil.copytree(tokenizer, tmp / "tokenizer")
-        else:
+        if not (hasattr(tokenizer, "save_pretrained") or Path(tokenizer).is_dir()):
             raise CacheError(f"tokenizer {tokenizer!r}: expected a tokenizer object or a tokenizer folder")
-        save_file({S.HEAD_TENSOR: head}, str(tmp / Path(S.HEAD_FILE).name))
-        save_file({S.ITEM_EMBEDDINGS_TENSOR: emb}, str(tmp / Path(S.ITEM_EMBEDDINGS_FILE).name))
-        (tmp / Path(S.TEACHER_CONFIG_FILE).name).write_text(json.dumps(teacher_config, indent=1, sort_keys=True))
-        fsync_tree(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        fsync_dir(self.root)
+        with staged_dir(self.root / S.ASSETS, replace=True, durable=True) as tmp:
+            if hasattr(tokenizer, "save_pretrained"):
+                tokenizer.save_pretrained(str(tmp / "tokenizer"))
+            else:
+                shutil.copytree(tokenizer, tmp / "tokenizer")
+            save_file({S.HEAD_TENSOR: head}, str(tmp / Path(S.HEAD_FILE).name))
+            save_file({S.ITEM_EMBEDDINGS_TENSOR: emb}, str(tmp / Path(S.ITEM_EMBEDDINGS_FILE).name))
+            (tmp / Path(S.TEACHER_CONFIG_FILE).name).write_text(json.dumps(teacher_config, indent=1, sort_keys=True))
 
     def write_shard(self, shard_id: int, records: Sequence[ExampleRecord]) -> dict:
         """Write one whole shard (all its examples, in order) and record it; returns its journal entry."""
@@ -262,15 +261,14 @@ class CacheWriter:
             "layers": list(self.spec.layers),
         }
         final = self.root / S.shard_path(shard_id)
-        tmp = final.parent / f"{S.TMP_PREFIX}{final.name}-tmp{os.getpid()}-{time.time_ns()}"
-        write_group(tmp, arrays, attrs, self.spec.compression_codec)
-        fsync_tree(tmp)
-        files = list_local_files(tmp)
-        digest = files_digest(files, _read_local(tmp))
-        if final.exists():  # an unjournaled leftover of an earlier run
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        fsync_dir(final.parent)
+        tmp = temp_sibling(final)
+        try:
+            write_group(tmp, arrays, attrs, self.spec.compression_codec)
+            files = list_local_files(tmp)
+            digest, per_file = files_digest(files, _read_local(tmp))
+            publish_dir(tmp, final, replace=True, durable=True)  # replaces an unjournaled leftover of an earlier run
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
         entry = {
             "shard": shard_id,
             "name": S.shard_name(shard_id),
@@ -280,7 +278,7 @@ class CacheWriter:
             "answers": n_ans,
             "bytes": sum(size for _, size in files),
             "sha256": digest,
-            "files": [[rel, size] for rel, size in files],
+            "files": [[rel, size, per_file[rel]] for rel, size in files],
             "example_ids_sha256": example_ids_digest([r.example_id for r in records]),
             "spec_hash": self.spec_hash,
             "rank": self.rank,
@@ -294,42 +292,30 @@ class CacheWriter:
         return entry
 
     def _assemble(self, records: Sequence[ExampleRecord]) -> tuple[dict, int, int]:
+        """The shard's arrays, as `schema.array_defs` lays them out."""
         spec = self.spec
         tok_len = np.array([r.num_tokens for r in records], dtype=np.int32)
         ans_len = np.array([len(r.answers) for r in records], dtype=np.int32)
-        tok_off = np.concatenate([[0], np.cumsum(tok_len, dtype=np.int64)[:-1]]).astype(np.int64)
-        ans_off = np.concatenate([[0], np.cumsum(ans_len, dtype=np.int64)[:-1]]).astype(np.int64)
-        n_tok, n_ans = int(tok_len.sum()), int(ans_len.sum())
-        e, t, a, f = ("example",), ("token",), ("answer",), ("feature",)
-        cat = lambda name: np.concatenate([_ints(getattr(r, name)) for r in records]).astype(np.int32)  # noqa: E731
-        arrays: dict[str, tuple[np.ndarray, str | None, tuple[str, ...]]] = {
-            S.EXAMPLE_ID: (np.array([r.example_id for r in records], dtype=np.int64), None, e),
-            S.EXAMPLE_USER: (np.array([r.user for r in records], dtype=np.int32), None, e),
-            S.EXAMPLE_TARGET: (np.array([r.target for r in records], dtype=np.int32), None, e),
-            S.EXAMPLE_HISTORY: (_padded([list(r.history) for r in records]), None, (*e, "history")),
-            S.EXAMPLE_CANDIDATES: (_padded([list(r.candidates) for r in records]), None, (*e, "candidate")),
-            S.EXAMPLE_TOKEN_OFFSET: (tok_off, None, e),
-            S.EXAMPLE_TOKEN_LENGTH: (tok_len, None, e),
-            S.EXAMPLE_ANSWER_OFFSET: (ans_off, None, e),
-            S.EXAMPLE_ANSWER_LENGTH: (ans_len, None, e),
-            S.INPUT_IDS: (cat("input_ids"), None, t),
-            S.SLOT_ITEMS: (cat("slot_items"), None, t),
-            S.LABELS: (cat("labels"), None, t),
-            S.ANSWER_POSITIONS: (np.concatenate([r.answers for r in records]).astype(np.int32), None, a),
+        per_example = {
+            "example_id": [r.example_id for r in records], "user": [r.user for r in records],
+            "target": [r.target for r in records], "history": _padded([list(r.history) for r in records]),
+            "candidates": _padded([list(r.candidates) for r in records]),
+            "token_offset": np.concatenate([[0], np.cumsum(tok_len, dtype=np.int64)[:-1]]), "token_length": tok_len,
+            "answer_offset": np.concatenate([[0], np.cumsum(ans_len, dtype=np.int64)[:-1]]), "answer_length": ans_len,
         }
-        d = spec.hidden_size
-        rows = t if spec.positions == "all" else a
-        for layer in spec.layers:
-            arrays[S.hidden_array(layer)] = (_floats([r.hidden[layer] for r in records], d, spec.dtype), spec.dtype, (*rows, *f))
-        arrays[S.FINAL_HIDDEN] = (_floats([r.final_hidden for r in records], d, spec.dtype), spec.dtype, (*a, *f))
-        policy = spec.logits_policy
-        if policy.kind == "topk":
-            arrays[S.TOPK_VALUES] = (_floats([r.topk_values for r in records], policy.k, spec.dtype), spec.dtype, (*a, "rank"))
-            idx = np.concatenate([_ints(r.topk_indices) for r in records]).astype(np.int32).reshape(-1, policy.k)
-            arrays[S.TOPK_INDICES] = (idx, None, (*a, "rank"))
-        elif policy.kind == "full":
-            arrays[S.FULL_LOGITS] = (_floats([r.full_logits for r in records], spec.vocab_size, spec.dtype), spec.dtype, (*a, "vocab"))
-        return arrays, n_tok, n_ans
+        arrays: dict[str, tuple[np.ndarray, str | None, tuple[str, ...]]] = {}
+        for a in S.array_defs(spec):
+            if a.rows == "examples":
+                data = np.asarray(per_example[a.field], dtype=a.dtype)
+            else:
+                parts = [r.hidden[a.layer] if a.field == "hidden" else getattr(r, a.field) for r in records]
+                width = int(np.prod(a.columns)) if a.columns else 1
+                if a.is_float:
+                    data = _floats(parts, width, spec.dtype)
+                else:
+                    data = np.concatenate([_ints(p) for p in parts]).astype(a.dtype).reshape(-1, *a.columns)
+            arrays[a.name] = (data, spec.dtype if a.is_float else None, a.dims)
+        return arrays, int(tok_len.sum()), int(ans_len.sum())
 
     # --- sealing ------------------------------------------------------------------------------
     def seal(self, plan: ShardPlan) -> dict:
@@ -353,17 +339,14 @@ class CacheWriter:
             if entry["example_ids_sha256"] != ps.digest or entry["split"] != ps.split:
                 raise CacheError(f"{self.root}: {S.shard_name(sid)} holds other examples than planned")
             on_disk = list_local_files(self.root / S.shard_path(sid))
-            if on_disk != [tuple(x) for x in entry["files"]]:
+            if on_disk != [(rel, size) for rel, size, _ in entry["files"]]:
                 raise CacheError(f"{self.root}: {S.shard_name(sid)} files differ from its journal entry")
         self._check_assets()
         index = self._build_index(plan)
         index_path = self.root / S.INDEX
-        tmp = temp_sibling(index_path)
-        index.write_parquet(tmp, compression="zstd", statistics=True)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, index_path)
-        fsync_dir(self.root)
+        buffer = io.BytesIO()
+        index.write_parquet(buffer, compression="zstd", statistics=True)
+        write_bytes(index_path, buffer.getvalue(), durable=True)
         shards = [{k: v for k, v in self._entries[s.shard_id].items() if k not in ("spec_hash", "written_ns")} for s in plan.shards]
         per_split: dict[str, int] = {}
         for s in shards:
@@ -422,34 +405,9 @@ class CacheWriter:
         frames = []
         for ps in plan.shards:
             store = str(self.root / S.shard_path(ps.shard_id))
-            col = {name: np.asarray(open_array(store, name)[...]) for name in (
-                S.EXAMPLE_ID, S.EXAMPLE_USER, S.EXAMPLE_TARGET, S.EXAMPLE_HISTORY, S.EXAMPLE_CANDIDATES,
-                S.EXAMPLE_TOKEN_OFFSET, S.EXAMPLE_TOKEN_LENGTH, S.EXAMPLE_ANSWER_OFFSET, S.EXAMPLE_ANSWER_LENGTH,
-            )}
-            n = len(col[S.EXAMPLE_ID])
-            frames.append(
-                pl.DataFrame(
-                    {
-                        "example_id": pl.Series(col[S.EXAMPLE_ID], dtype=pl.Int64),
-                        "split": pl.Series([ps.split] * n, dtype=pl.String),
-                        "user": pl.Series(col[S.EXAMPLE_USER], dtype=pl.Int32),
-                        "target": pl.Series(col[S.EXAMPLE_TARGET], dtype=pl.Int32),
-                        "history": pl.Series([r[r != 0].tolist() for r in col[S.EXAMPLE_HISTORY]], dtype=pl.List(pl.Int32)),
-                        "candidates": pl.Series([r[r != 0].tolist() for r in col[S.EXAMPLE_CANDIDATES]], dtype=pl.List(pl.Int32)),
-                        "shard": pl.Series([ps.shard_id] * n, dtype=pl.Int32),
-                        "token_offset": pl.Series(col[S.EXAMPLE_TOKEN_OFFSET], dtype=pl.Int64),
-                        "token_length": pl.Series(col[S.EXAMPLE_TOKEN_LENGTH], dtype=pl.Int32),
-                        "answer_offset": pl.Series(col[S.EXAMPLE_ANSWER_OFFSET], dtype=pl.Int64),
-                        "answer_length": pl.Series(col[S.EXAMPLE_ANSWER_LENGTH], dtype=pl.Int32),
-                    }
-                )
-            )
-        index = pl.concat(frames) if frames else pl.DataFrame(schema=_index_schema())
+            arrays = {name: np.asarray(open_array(store, name)[...]) for name in S.example_array_names(self.spec)}
+            frames.append(S.index_rows(self.spec, arrays, ps.split, ps.shard_id))
+        index = pl.concat(frames) if frames else pl.DataFrame(schema=S.index_schema())
         if index["example_id"].n_unique() != index.height:
             raise CacheError(f"{self.root}: an example id appears in more than one shard")
         return index
-
-
-def _index_schema() -> dict:
-    types = {"int64": pl.Int64, "int32": pl.Int32, "string": pl.String, "list<int32>": pl.List(pl.Int32)}
-    return {name: types[t] for name, t in S.INDEX_COLUMNS}

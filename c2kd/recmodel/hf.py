@@ -46,6 +46,8 @@ def rebuild(lm: PreTrainedModel, config: Any = None, state_dict: dict | None = N
     """A fresh model built from a config, holding the given weights (GGUF-loaded models cannot be
     saved as they are, and truncation needs a smaller config)."""
     config = copy.deepcopy(config if config is not None else lm.config)
+    if hasattr(config, "quantization_config"):  # the weights are dequantised: a plain model from here on
+        del config.quantization_config
     fresh = AutoModelForCausalLM.from_config(config, dtype=lm.dtype)
     state = state_dict if state_dict is not None else lm.state_dict()
     missing, unexpected = fresh.load_state_dict(state, strict=False)

@@ -4,7 +4,7 @@ Every record is a pure function of (seed, example id), so a cache written in one
 after a crash, or by several ranks holds the same content. Also runnable as a script (used by
 the crash and multi-writer tests):
 
-    python -m c2kd.cache_schema.synthetic OUT --examples 24 --per-shard 4 [--rank R --world-size N] [--no-seal]
+    python tests/synthetic_cache.py OUT --examples 24 --per-shard 4 [--rank R --world-size N] [--no-seal]
 """
 
 from __future__ import annotations
