@@ -44,6 +44,17 @@ def fsync_tree(root: Path) -> None:
         fsync_dir(Path(dirpath))
 
 
+def check_destination(path: Path) -> None:
+    """Refuse, before any work, a destination whose parent cannot hold it (a file in the way)."""
+    from c2kd.errors import C2KDError
+
+    for ancestor in Path(path).absolute().parents:
+        if ancestor.exists():
+            if not ancestor.is_dir():
+                raise C2KDError(f"{path}: cannot be created, {ancestor} is a file, not a folder")
+            return
+
+
 def publish_dir(staged: Path, final: Path, replace: bool = False, durable: bool = False) -> None:
     """Rename the finished folder `staged` to `final`; an existing `final` is replaced only when
     `replace` (an empty folder is always replaced)."""

@@ -271,8 +271,9 @@ def train_teacher_cmd(
         record = train_teacher(data, sasrec, out, recipe, config, overwrite=overwrite, keep_checkpoints=keep_checkpoints)
     if is_main_process():
         val = record["validation"]
+        done = "already complete (same settings): " if record.get("already_complete") else ""
         typer.echo(
-            f"{record['model']['base']}: {record['final_step']} steps in {record['timings']['train_s']:.1f} s; "
+            f"{done}{record['model']['base']}: {record['final_step']} steps in {record['timings']['train_s']:.1f} s; "
             f"best validation {val['select_metric']} {val['best'].get(val['select_metric'], float('nan')):.4f} "
             f"at step {val['best_step']}; model folder: {out}"
         )
@@ -466,8 +467,9 @@ def distill_cmd(
     if is_main_process():
         test = record["metrics"]["test"]
         summary = ", ".join(f"{k} {v:.4f}" for k, v in test["candidates"].items() if k in ("HR@1", "NDCG@10", "MRR"))
+        done = "already complete (same settings): " if record.get("already_complete") else ""
         typer.echo(
-            f"{record['recipe']['method']}: {record['final_step']} steps in {record['timings']['train_s']:.1f} s; "
+            f"{done}{record['recipe']['method']}: {record['final_step']} steps in {record['timings']['train_s']:.1f} s; "
             f"test {summary}; model folder: {out}"
         )
 

@@ -2,8 +2,9 @@
 `OUT` whole.
 
 A recipe works in `OUT.partial/` (checkpoints, logs, `recipe.json`); rerunning the same command
-resumes there, and a changed recipe is refused. At the end the staged model folder is renamed
-into place, so a folder at `OUT` is always complete.
+resumes there, and a changed recipe is refused. At the end the staged model folder (with its
+`recipe.json`) is renamed into place, so a folder at `OUT` is always complete; rerunning the
+same command then reports the finished run instead of training again.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import json
 import shutil
 from pathlib import Path
 
-from c2kd.atomic import publish_dir, write_json
+from c2kd.atomic import check_destination, publish_dir, write_json
 from c2kd.errors import C2KDError
 
 
@@ -21,21 +22,42 @@ def partial_dir(out: str | Path) -> Path:
     return out.with_name(out.name + ".partial")
 
 
-def claim(out: str | Path, overwrite: bool) -> tuple[Path, Path]:
-    """(out, its work folder), refusing an existing `out` unless `overwrite`."""
+def claim(out: str | Path) -> tuple[Path, Path]:
+    """(out, its work folder), refusing a destination that cannot be created."""
     out = Path(out)
-    if out.exists() and not overwrite:
-        raise C2KDError(f"{out} already exists; choose another --out or pass --overwrite")
+    check_destination(out)
     return out, partial_dir(out)
+
+
+def finished_run(out: Path, record: dict, summary_file: str, overwrite: bool) -> dict | None:
+    """The summary of a finished run at `out` made with this recipe (None when there is none, or
+    when it is to be overwritten); an existing `out` made otherwise is refused."""
+    if not out.exists() or overwrite:
+        return None
+    try:
+        previous = json.loads((out / "recipe.json").read_text())
+        summary = json.loads((out / summary_file).read_text())
+    except (OSError, ValueError):
+        raise C2KDError(f"{out} already exists and is not a finished run of this command; choose another --out "
+                        "or pass --overwrite") from None
+    changed = _changed(previous, record)
+    if changed:
+        raise C2KDError(f"{out} already holds a run with other settings ({', '.join(changed)}); choose another --out "
+                        "or pass --overwrite")
+    return summary
+
+
+def _changed(previous: dict, record: dict) -> list[str]:
+    record = json.loads(json.dumps(record))
+    return sorted(k for k in {*previous, *record} if previous.get(k) != record.get(k))
 
 
 def check_or_write_recipe(work: Path, record: dict, rank: int) -> None:
     """The recipe of an interrupted run must match the one being resumed."""
     path = work / "recipe.json"
     if path.exists():
-        previous = json.loads(path.read_text())
-        if previous != json.loads(json.dumps(record)):
-            changed = sorted(k for k in {*previous, *record} if previous.get(k) != record.get(k))
+        changed = _changed(json.loads(path.read_text()), record)
+        if changed:
             raise C2KDError(f"{work} holds an interrupted run with other settings ({', '.join(changed)}); "
                             f"rerun with those settings to resume, or delete {work}")
     elif rank == 0:
@@ -44,7 +66,9 @@ def check_or_write_recipe(work: Path, record: dict, rank: int) -> None:
 
 
 def publish(staged: Path, out: Path, work: Path, overwrite: bool, keep_work: bool) -> None:
-    """Rename the finished folder `staged` to `out` (replacing it when `overwrite`), then drop `work`."""
+    """Rename the finished folder `staged` (with the run's recipe.json) to `out` (replacing it when
+    `overwrite`), then drop `work`."""
+    shutil.copyfile(work / "recipe.json", staged / "recipe.json")
     publish_dir(staged, out, replace=overwrite)
     if not keep_work:
         shutil.rmtree(work)

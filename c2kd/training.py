@@ -44,6 +44,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from torch import nn
 
@@ -225,7 +226,8 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
     return max(steps)[1] if steps else None
 
 
-def _comparable(config: TrainConfig) -> dict:
+def comparable_config(config: TrainConfig) -> dict:
+    """The settings a resumed (or repeated) run must share with the first one."""
     return {k: v for k, v in asdict(config).items() if k not in _RESUMABLE_CHANGES}
 
 
@@ -298,7 +300,7 @@ def train(
     ckpt = latest_checkpoint(out)
     if ckpt is not None:
         state = torch.load(ckpt / "trainer.pt", weights_only=True)
-        if state["config"] != _comparable(config) or state["num_examples"] != source.num_examples:
+        if state["config"] != comparable_config(config) or state["num_examples"] != source.num_examples:
             raise C2KDError(f"{ckpt}: checkpoint of a different run (settings or data differ); use another out_dir")
         if state["frozen_checksum"] != frozen_sum:
             raise C2KDError(f"{ckpt}: the frozen weights differ from the model this run started from")
@@ -307,6 +309,9 @@ def train(
         scheduler.load_state_dict(state["scheduler"])
         step, epoch, batch_pos, prior_s = state["step"], state["epoch"], state["batch_pos"], state["train_s"]
         best, resumed_from = state["best"], step
+        if rank == 0:
+            Console(stderr=True).print(f"resuming from step {step} of {config.max_steps or '?'}" if config.max_steps
+                                       else f"resuming from step {step} ({ckpt})", highlight=False)
         ranks = state["ranks"]
         mine = ranks[rank] if len(ranks) == world else None
         if mine is None:  # another world size: data order is kept, dropout streams are new
@@ -368,7 +373,7 @@ def train(
         per_rank = distributed.gather({"rng": _rng_state(), "epoch_acc": {k: float(v) for k, v in epoch_acc.items()}})
         if main:
             state = {"step": step, "epoch": epoch, "batch_pos": batch_pos, "scheduler": scheduler.state_dict(),
-                     "best": best, "ranks": per_rank, "config": _comparable(config), "num_examples": source.num_examples,
+                     "best": best, "ranks": per_rank, "config": comparable_config(config), "num_examples": source.num_examples,
                      "frozen_checksum": frozen_sum, "train_s": prior_s + time.perf_counter() - started}
 
             with staged_dir(ckpt_root / f"step-{step:06d}", replace=True) as d:

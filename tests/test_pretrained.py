@@ -98,9 +98,10 @@ def test_the_head_runs_only_where_it_is_read(pretrained, examples, item_head):
         answer_only = model(**batch)
         everywhere = model(**_unlabelled(batch)).logits
     mask = answer_mask(batch["labels"])
-    torch.testing.assert_close(answer_only.logits, everywhere[mask])
+    # equal up to float32 summation order (the matmuls have other shapes)
+    torch.testing.assert_close(answer_only.logits, everywhere[mask], atol=2e-4, rtol=1e-4)
     targets = batch["input_ids"][:, 1:][mask[:, :-1]]
-    torch.testing.assert_close(answer_only.loss, F.cross_entropy(everywhere[mask], targets))
+    torch.testing.assert_close(answer_only.loss, F.cross_entropy(everywhere[mask], targets), atol=1e-5, rtol=1e-5)
     # ids ranking reads the item rows only: the same numbers as the head's item columns
     h = model.decode(batch["input_ids"], batch["attention_mask"], batch["slot_items"]).last_hidden_state[:, 5]
     with torch.no_grad():

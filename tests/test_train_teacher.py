@@ -59,9 +59,15 @@ def test_cli_trains_saves_and_records_validation(tiny_examples_dir, sasrec_run, 
     assert all("tokens_per_s" in r for r in log if r["kind"] == "train")
     assert not partial_dir(out).exists()  # work folder removed once the model is in place
 
+    # the same command again: the finished run is reported, nothing is trained
     again = CliRunner().invoke(app, ["train-teacher", "--data", str(tiny_examples_dir), "--sasrec", str(sasrec_run),
                                      "--out", str(out), *FAST])
-    assert again.exit_code == 1 and "already exists" in again.output
+    assert again.exit_code == 0 and "already complete" in again.output, again.output
+    assert not partial_dir(out).exists()
+    # other settings into the same folder: refused, naming what differs
+    other = CliRunner().invoke(app, ["train-teacher", "--data", str(tiny_examples_dir), "--sasrec", str(sasrec_run),
+                                     "--out", str(out), *FAST, "--lr", "0.5"])
+    assert other.exit_code == 1 and "other settings (train)" in other.output, other.output
 
 
 def test_lora_trains_adapters_item_tokens_and_projector(tiny_examples_dir, sasrec_run, tmp_path):

@@ -119,6 +119,11 @@ class TeacherCache:
 
     # --- metadata -----------------------------------------------------------------------------
     @property
+    def digest(self) -> str:
+        """The cache's identity: the digest of its sealed manifest."""
+        return self.manifest["digest"]
+
+    @property
     def layers(self) -> tuple[int, ...]:
         return self.spec.layers
 

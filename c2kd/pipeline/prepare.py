@@ -25,9 +25,6 @@ Protocol (DESIGN §1), applied by `build_examples`:
 from __future__ import annotations
 
 import json
-import os
-import secrets
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +33,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from c2kd.atomic import check_destination, staged_dir
 from c2kd.errors import C2KDError, DataError
 from c2kd.pipeline.examples import (
     EXAMPLES_FORMAT,
@@ -92,8 +90,8 @@ def prepare(
     _check_target(out, overwrite)
     if seed < 0:
         raise C2KDError(f"--seed must be >= 0, got {seed}")
-    if max_train_per_user is not None and max_train_per_user < 0:
-        raise C2KDError(f"--max-train-per-user must be >= 0, got {max_train_per_user}")
+    if max_train_per_user is not None and max_train_per_user < 1:
+        raise C2KDError(f"--max-train-per-user must be >= 1 (leave it out for no cap), got {max_train_per_user}")
     interactions = read_source(source, items)
     examples = build_examples(interactions, seed=seed, max_train_per_user=max_train_per_user)
     manifest = {
@@ -290,6 +288,7 @@ def _sample_negatives(
 
 def _check_target(out: Path, overwrite: bool) -> None:
     """Refuse to replace anything but an empty folder, or (with `overwrite`) a prepared folder."""
+    check_destination(out)
     if not out.exists():
         return
     if not out.is_dir():
@@ -308,24 +307,11 @@ def write_examples(examples: Examples, manifest: dict, out: str | Path, *, overw
     """Write the folder beside `out` under a temporary name and rename it into place when whole."""
     out = Path(out)
     _check_target(out, overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.parent / f".{out.name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
-    partial.mkdir()
-    try:
-        _write_parquet(examples.items, partial / "items.parquet")
+    with staged_dir(out, replace=True) as staged:  # an existing (prepared or empty) folder is replaced whole
+        _write_parquet(examples.items, staged / "items.parquet")
         for split, table in examples.splits.items():
-            _write_parquet(table, partial / f"{split}.parquet")
-        (partial / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-        if out.exists() and any(out.iterdir()):
-            retired = out.parent / f".{out.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
-            out.rename(retired)
-            partial.rename(out)
-            shutil.rmtree(retired)
-        else:
-            partial.rename(out)  # replaces an empty folder atomically
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
+            _write_parquet(table, staged / f"{split}.parquet")
+        (staged / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     return out
 
 

@@ -18,9 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -33,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from c2kd.atomic import check_destination, staged_dir, write_json
 from c2kd.errors import C2KDError
 from c2kd.metrics import candidate_metrics, full_catalog_metrics
 from c2kd.pipeline.examples import MAX_HISTORY, ExampleSet, load_examples, target_indices
@@ -221,32 +219,6 @@ def fit(
 # --------------------------------------------------------------------------- run folder
 
 
-@contextmanager
-def _atomic_dir(out: Path, overwrite: bool) -> Iterator[Path]:
-    """Yield a temporary sibling folder that becomes `out` only if the block finishes."""
-    out = Path(out)
-    if out.exists() and not overwrite:
-        raise C2KDError(f"{out} already exists; choose another --out or pass --overwrite")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        yield tmp
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-
-
-def _write_json(path: Path, obj: dict) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
-
-
 def train_sasrec(
     data: str | Path | ExampleSet,
     out: str | Path,
@@ -257,6 +229,7 @@ def train_sasrec(
     """Train on a prepared folder, write the run folder, return its metrics.json content."""
     examples = data if isinstance(data, ExampleSet) else load_examples(data, verify=True)
     out = Path(out)
+    check_destination(out)
     if out.exists() and not overwrite:
         raise C2KDError(f"{out} already exists; choose another --out or pass --overwrite")
 
@@ -285,13 +258,13 @@ def train_sasrec(
         "train": asdict(config),
         "selected_epoch": result.best_epoch,
     }
-    with _atomic_dir(out, overwrite) as tmp:
+    with staged_dir(out, replace=overwrite) as tmp:
         state = {k: v.contiguous() for k, v in result.model.state_dict().items()}
         save_file(state, str(tmp / "model.safetensors"))
         emb = result.model.item_emb.weight.detach().to(torch.float32).contiguous().clone()
         save_file({EMBEDDINGS_KEY: emb}, str(tmp / EMBEDDINGS_FILE))
-        _write_json(tmp / "metrics.json", metrics)
-        _write_json(tmp / "config.json", run_config)  # last: a folder with config.json is whole
+        write_json(tmp / "metrics.json", metrics)
+        write_json(tmp / "config.json", run_config)
     return metrics
 
 

@@ -29,16 +29,20 @@ from c2kd.errors import DataError
 
 MOVIELENS_100K = "movielens-100k"
 
-# MovieLens marks its one untitled movie (id 267) with a placeholder, misspelt in RecBole's copy.
-_MOVIELENS_PLACEHOLDER_TITLES = {"unknown", "unkonwn"}
+# MovieLens marks its one untitled movie (id 267) with a placeholder, misspelt in RecBole's copy;
+# a title that is just this placeholder means "no title", whatever the source.
+_PLACEHOLDER_TITLES = {"unknown", "unkonwn"}
 
-_YEAR = re.compile(r"\s*\(\d{4}(?:/[IVX]+)?\)$")
+# A trailing year, e.g. "(1995)" or "(1994/I)", and GroupLens's video marker after it: "(1995) (V)".
+# RecBole's copy moved the "V" into its year column, so both copies clean to the same title.
+_YEAR = re.compile(r"\s*\(\d{4}(?:/[IVX]+)?\)(?:\s*\(V\))?$")
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 _TRAILING_ARTICLE = re.compile(r"^(?P<rest>.+?),\s*(?P<article>The|A|An)$")
 
 
 def clean_title(raw: str) -> str:
-    """Title as shown to the models: whitespace collapsed, trailing "(1995)" dropped,
-    trailing ", The" / ", A" / ", An" moved to the front (LLaRA's MovieLens convention).
+    """Title as shown to the models: whitespace collapsed, trailing "(1995)" (and a "(V)" after
+    it) dropped, trailing ", The" / ", A" / ", An" moved to the front (LLaRA's MovieLens convention).
 
     >>> clean_title("Usual Suspects, The (1995)")
     'The Usual Suspects'
@@ -138,11 +142,11 @@ def movielens_100k_dir() -> Path:
 def read_movielens_100k() -> Interactions:
     """MovieLens-100k from recbole's atomic files."""
     folder = movielens_100k_dir()
-    data = read_atomic(folder / "ml-100k.inter", folder / "ml-100k.item", placeholders=_MOVIELENS_PLACEHOLDER_TITLES)
+    data = read_atomic(folder / "ml-100k.inter", folder / "ml-100k.item")
     return Interactions(data.events, data.titles, data.name, {**data.description, "kind": MOVIELENS_100K})
 
 
-def read_atomic(inter_path: Path, item_path: Path | None, placeholders: set[str] | None = None) -> Interactions:
+def read_atomic(inter_path: Path, item_path: Path | None) -> Interactions:
     """RecBole atomic files: tab separated, typed headers such as ``user_id:token``."""
     table = _Table(str(inter_path), header_lines=1)
     frame = _strip_header_types(_read_text_table(inter_path.read_bytes(), table, separator="\t"))
@@ -155,9 +159,7 @@ def read_atomic(inter_path: Path, item_path: Path | None, placeholders: set[str]
         items = _strip_header_types(_read_text_table(item_path.read_bytes(), item_table, separator="\t"))
         title_column = next((c for c in items.columns if "title" in c), None)
         _require_columns(items, item_table, ["item_id"] + ([] if title_column else ["title"]))
-        titles = _titles(
-            items, item_table, events, item="item_id", title=title_column, integer_ids=False, placeholders=placeholders
-        )
+        titles = _titles(items, item_table, events, item="item_id", title=title_column, integer_ids=False)
         files.append(item_path)
     return Interactions(events, titles, str(inter_path), {"kind": "recbole-atomic", "files": _describe_files(files)})
 
@@ -223,15 +225,7 @@ def _read_grouplens(
                 f"{item_table.name}: {items.width} '|'-separated field(s) per line, expected movie id | title | ..."
             )
         items = items.select(pl.col(items.columns[0]).alias("item"), pl.col(items.columns[1]).alias("title"))
-        titles = _titles(
-            items,
-            item_table,
-            events,
-            item="item",
-            title="title",
-            integer_ids=True,
-            placeholders=_MOVIELENS_PLACEHOLDER_TITLES,
-        )
+        titles = _titles(items, item_table, events, item="item", title="title", integer_ids=True)
     return Interactions(events, titles, table.name, description)
 
 
@@ -429,9 +423,9 @@ def _titles(
     item: str,
     title: str | None,
     integer_ids: bool,
-    placeholders: set[str] | None = None,
 ) -> pl.DataFrame:
-    """Cleaned titles; every listed item must occur in the interactions, and only once."""
+    """Cleaned titles; every listed item must occur in the interactions, and only once; no control
+    characters (a NUL or an escape in a title would reach the prompts)."""
     ids = _ids(frame[item], table, item, integer_ids)
     bad = _first_bad(~ids.is_in(events["item"].unique().implode()))
     if bad is not None:
@@ -441,9 +435,12 @@ def _titles(
         first = _first_bad(ids == ids[bad])
         raise DataError(f"{table.at(bad, item)}: item {ids[bad]!r} is listed twice (first at row {first + 1})")
     raw_titles = frame[title].cast(pl.String) if title else pl.Series([None] * frame.height, dtype=pl.String)
-    placeholders = placeholders or set()
+    bad = _first_bad(raw_titles.fill_null("").str.contains(_CONTROL.pattern))
+    if bad is not None:
+        raise DataError(f"{table.at(bad, title)}: title {raw_titles[bad]!r} contains a control character")
     cleaned = [
-        clean_title(t) if t is not None and t.strip().lower() not in placeholders else "" for t in raw_titles.to_list()
+        clean_title(t) if t is not None and t.strip().lower() not in _PLACEHOLDER_TITLES else ""
+        for t in raw_titles.to_list()
     ]
     return pl.DataFrame({"item": ids, "title": cleaned}).filter(pl.col("title") != "")
 

@@ -37,8 +37,8 @@ from c2kd.recmodel.build import check_source
 from c2kd.recmodel.model import RecLM
 from c2kd.recmodel.prompts import EncodedExample, PromptEncoder, check_format, collate, encode_frame
 from c2kd.recmodel.tokenizer import build_word_tokenizer
-from c2kd.run_folder import check_or_write_recipe, claim, publish
-from c2kd.training import ExampleBatches, TrainConfig, TrainResult, train
+from c2kd.run_folder import check_or_write_recipe, claim, finished_run, publish
+from c2kd.training import ExampleBatches, TrainConfig, TrainResult, comparable_config, train
 
 TRAIN_KIND = "c2kd-train"
 TRAIN_VERSION = 1
@@ -143,18 +143,20 @@ def train_teacher(
     `train_config`: TrainConfig fields (all but out_dir). Re-running after an interruption with
     the same arguments resumes from the last checkpoint."""
     wall = time.perf_counter()
-    out, work = claim(out, overwrite)
+    out, work = claim(out)
     examples = data if isinstance(data, ExampleSet) else load_examples(data)
     check_fingerprint(read_run_config(sasrec), examples, sasrec)
     item_embeddings = load_item_embeddings(sasrec)
     config = TrainConfig(out_dir=work, **(train_config or {}))
     rank = dist_env()[0]
-
-    recipe_record = {"recipe": RECIPE, **asdict(recipe), "data_fingerprint": examples.fingerprint,
-                     "sasrec": str(Path(sasrec).resolve())}
-    check_or_write_recipe(work, recipe_record, rank)
+    recipe_record = {"recipe": RECIPE, **asdict(recipe), "train": comparable_config(config),
+                     "data_fingerprint": examples.fingerprint, "sasrec": str(Path(sasrec).resolve())}
+    finished = finished_run(out, recipe_record, "train.json", overwrite)
+    if finished is not None:
+        return {**finished, "already_complete": True}
 
     model = build_model(replace(recipe, lora=None), examples, item_embeddings, seed=config.seed)
+    check_or_write_recipe(work, recipe_record, rank)  # only once everything could be built
     non_embedding = model.non_embedding_parameters()  # of the LM itself, before any adapters
     if recipe.lora is not None:
         add_lora(model, recipe.lora, config.seed)

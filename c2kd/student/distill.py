@@ -35,12 +35,12 @@ from c2kd.evaluate import RecLMEvaluator
 from c2kd.pipeline.examples import ExampleSet, load_examples
 from c2kd.recmodel.build import build_model, check_source
 from c2kd.recmodel.model import RecLM
-from c2kd.run_folder import check_or_write_recipe, claim
+from c2kd.run_folder import check_or_write_recipe, claim, finished_run
 from c2kd.student.c2kd_modules import LayerFilters, parse_router, uniform_layer_map
 from c2kd.student.cache_batches import CacheBatches
 from c2kd.student.objective import METHODS, DistillModel, LossWeights, stage1_loss
 from c2kd.student.report import distill_record, epoch_router_counts, finish
-from c2kd.training import TrainConfig, TrainResult, train
+from c2kd.training import TrainConfig, TrainResult, comparable_config, train
 
 DEFAULT_SELECT_METRIC = "NDCG@10"  # over the 20 stored validation candidates
 SELECT_METRICS = ("HR@1", "HR@5", "HR@10", "NDCG@5", "NDCG@10", "MRR")
@@ -147,13 +147,18 @@ def distill(
     `train_config`: TrainConfig fields for stage 2 (all but out_dir). Re-running after an
     interruption with the same arguments resumes."""
     wall = time.perf_counter()
-    out, work = claim(out, overwrite)
+    out, work = claim(out)
     config = TrainConfig(out_dir=work / "stage2", **(train_config or {}))
     examples = data if isinstance(data, ExampleSet) else load_examples(data)
 
-    # Refusals before anything is trained: cache schema/completeness (the reader), data, layers.
+    # Refusals before anything is trained or written: cache schema, integrity and fit, data, layers.
     teacher_cache = TeacherCache.open(cache, expect={"splits": ["train"], "data_fingerprint": examples.fingerprint})
     spec = teacher_cache.spec
+    recipe_record = {"recipe": "distill", **asdict(recipe), "train": comparable_config(config), "cache": str(cache),
+                     "cache_digest": teacher_cache.digest, "data_fingerprint": examples.fingerprint}
+    finished = finished_run(out, recipe_record, "distill.json", overwrite)
+    if finished is not None:
+        return {**finished, "already_complete": True}
     kind, fixed_layer = parse_router(recipe.router)
     if recipe.method == "c2kd" and kind == "fixed" and fixed_layer not in spec.layers:
         raise C2KDError(f"--router {recipe.router}: layer {fixed_layer} is not cached (cached: {list(spec.layers)})")
@@ -162,10 +167,10 @@ def distill(
     if recipe.method == "feature-kd":
         teacher_layers = spec.teacher_num_layers or int(teacher_cache.teacher_config().get("num_layers", 0))
         layer_map = uniform_layer_map(student.num_layers, teacher_layers, spec.layers)
+    head_weight = teacher_cache.head_weight()  # checksummed: a damaged head is refused here
 
     rank = dist_env()[0]
-    check_or_write_recipe(work, {"recipe": "distill", **asdict(recipe), "cache": str(cache),
-                                 "cache_spec_hash": spec.spec_hash, "data_fingerprint": examples.fingerprint}, rank)
+    check_or_write_recipe(work, recipe_record, rank)  # only once everything could be opened and built
     train_ids = _train_subset(teacher_cache.split_ids("train"), recipe.max_train)
 
     filters, stage1_result = (None, None)
@@ -173,7 +178,7 @@ def distill(
         filters, stage1_result = _stage1(recipe, teacher_cache, train_ids, config, student.hidden_size, work)
 
     # Stage 2: each method reads only what it uses (sft: the token ids alone).
-    model = DistillModel(student, recipe.weights, spec, teacher_cache.head_weight(), filters, layer_map)
+    model = DistillModel(student, recipe.weights, spec, head_weight, filters, layer_map)
     kd = recipe.method in ("c2kd", "logit-kd")
     layers = list(spec.layers) if recipe.method == "c2kd" else sorted(set((layer_map or {}).values()))
     source = CacheBatches(teacher_cache, train_ids, config.batch_size, config.seed, layers=layers, final_hidden=kd,
