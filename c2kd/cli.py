@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -127,8 +128,13 @@ def evaluate_cmd(
 ) -> None:
     """Evaluate a trained model on one split: ranking of the 20 candidates (and more per model)."""
     with reporting_errors():
+        from c2kd.atomic import check_destination
         from c2kd.pipeline.sasrec import read_run_config
 
+        if out is not None:
+            check_destination(out)
+            if out.is_dir():
+                raise C2KDError(f"--out {out}: is a folder; give the path of a JSON file to write")
         kind = read_run_config(model)["kind"]
         if kind == "sasrec":
             from c2kd.pipeline.sasrec import evaluate_sasrec
@@ -411,11 +417,12 @@ def cache_verify_cmd(
     if report.ok:
         console.print(f"[green]ok[/green]: {report.shards_checked} shards, {_human_bytes(report.bytes_checked)} checked — {report.path}")
         return
-    err = Console(stderr=True)
-    for problem in report.problems:
-        err.print(f"bad: {problem}", style="red", soft_wrap=True, markup=False)
+    from c2kd.cli_util import one_line_error
+
+    for problem in report.problems:  # one line per problem, each naming its file or manifest field
+        one_line_error(problem)
     if report.bad_shards:
-        err.print(f"bad shard(s): {', '.join(report.bad_shards)}", style="bold red", markup=False)
+        one_line_error(f"bad shard(s): {', '.join(report.bad_shards)}")
     raise typer.Exit(code=1)
 
 # --- stage two: distill ---
@@ -492,5 +499,30 @@ def demo_command(
         run_demo(out, DemoSettings(seed=seed, **{k: v for k, v in given.items() if v is not None}))
 
 
+def main(argv: list[str] | None = None) -> int:
+    """The `c2kd` entry point: the exit code of the command. A usage mistake (unknown option,
+    missing value) is one line on stderr and exit code 2, like every other refusal (exit code 1)."""
+    from c2kd.cli_util import ClickException, NoArgsIsHelpError, one_line_error
+
+    try:
+        code = app(args=argv, prog_name="c2kd", standalone_mode=False)  # typer.Exit comes back as its code
+        return code if isinstance(code, int) else 0
+    except typer.Exit as done:
+        return done.exit_code
+    except NoArgsIsHelpError:  # typer has printed the help already
+        return 0
+    except ClickException as mistake:
+        ctx = getattr(mistake, "ctx", None)
+        one_line_error(f"{mistake.format_message()} (see `{ctx.command_path if ctx else 'c2kd'} --help`)")
+        return mistake.exit_code
+    except typer.Abort:
+        one_line_error("interrupted")
+        return 130
+
+
+def _console_script() -> None:
+    sys.exit(main())
+
+
 if __name__ == "__main__":
-    app()
+    _console_script()

@@ -11,6 +11,11 @@ from rich.text import Text
 
 from c2kd.errors import C2KDError
 
+try:  # typer >= 0.20 vendors its own copy of click
+    from typer._click.exceptions import ClickException, NoArgsIsHelpError
+except ImportError:  # pragma: no cover - older typer on the real click
+    from click.exceptions import ClickException, NoArgsIsHelpError
+
 err_console = Console(stderr=True)
 
 
@@ -24,6 +29,10 @@ def reporting_errors() -> Iterator[None]:
     try:
         yield
     except C2KDError as error:
-        message = " ".join(str(error).split()) or type(error).__name__
-        err_console.print(Text(f"error: {message}", style="bold red"), soft_wrap=True)
+        one_line_error(str(error) or type(error).__name__)
         raise typer.Exit(code=1) from None
+
+
+def one_line_error(message: str) -> None:
+    """`error: <message>` as one line on stderr (whitespace and newlines collapsed)."""
+    err_console.print(Text(f"error: {' '.join(message.split())}", style="bold red"), soft_wrap=True)

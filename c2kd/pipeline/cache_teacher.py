@@ -170,6 +170,9 @@ def build_spec(model: RecLM, examples: ExampleSet, teacher_dir: Path, settings: 
     bad = [layer for layer in layers if not 1 <= layer <= model.num_layers]
     if bad:
         raise C2KDError(f"--layers {list(layers)}: the teacher has layers 1..{model.num_layers}")
+    policy = LogitsPolicy.parse(settings.logits)
+    if policy.kind == "topk" and policy.k > model.vocab_size:
+        raise C2KDError(f"--logits {settings.logits}: the teacher's vocabulary has {model.vocab_size:,} tokens")
     weights = sorted(teacher_dir.glob("*.safetensors"))
     if not weights:
         raise C2KDError(f"{teacher_dir}: no safetensors weights to fingerprint")

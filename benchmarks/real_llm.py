@@ -1,0 +1,261 @@
+"""Real pretrained teachers end to end: SmolLM2-135M and Gemma-3-270M distilled into students >= 8x smaller.
+
+    python benchmarks/real_llm.py --out runs/bench/real_llm [--families smollm2 gemma] [--quick]
+
+Per family, on ML-100k (<= 5 train windows per user), `ids` prompts, the hybrid item head:
+teacher fine-tune (full, pretrained vocabulary frozen) -> test evaluation -> cache of its train
+split -> students sharing its tokenizer (its first K layers, pretrained weights): trained alone
+(`train-teacher --shrink first:K`), and from the cache with SFT, logit KD, feature KD and C2KD,
+over seeds -> batch-1 latency and parameters. SASRec over three seeds on the same data.
+
+Every step is one `c2kd` command writing its own folder and is skipped when its output exists;
+the commands resume on their own, so a run cut short continues where it stopped. Steps run one
+at a time, the students two at a time with one thread each; the timed steps (latency, the head
+step ratio) run last. Writes summary.json (every number, the commands, the goals) and summary.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+FAMILIES = {
+    # name: alias, layers the student keeps (>= 8x fewer non-embedding parameters), seeds
+    "smollm2": {"alias": "smollm2-135m", "keep": 3, "seeds": [0, 1, 2]},
+    "gemma": {"alias": "gemma3-270m", "keep": 2, "seeds": [0]},
+}
+METHODS = {
+    "SFT from cache": ["--method", "sft"],
+    "logit KD": ["--method", "logit-kd"],
+    "feature KD": ["--method", "feature-kd"],
+    "C2KD": ["--method", "c2kd"],
+}
+METRICS = (("candidates", "HR@1"), ("candidates", "NDCG@10"), ("candidates", "MRR"), ("full_catalog", "NDCG@10"))
+
+
+def c2kd(args: list[str], log: Path, threads: int) -> list[str]:
+    """Run one c2kd command (its output into `log`); returns the command as run."""
+    cmd = [sys.executable, "-m", "c2kd.cli", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    with open(log, "a") as f:
+        f.write(f"$ c2kd {' '.join(args)}\n")
+        f.flush()
+        subprocess.run(cmd, check=True, env=env, stdout=f, stderr=subprocess.STDOUT)
+    return ["c2kd", *args]
+
+
+def _done(output: Path) -> bool:
+    """An output exists (a cache counts once its manifest says it is complete)."""
+    if output.name == "manifest.json":
+        return output.is_file() and json.loads(output.read_text()).get("complete") is True
+    return output.exists()
+
+
+def mean_std(values: list[float]) -> str:
+    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}" if len(values) > 1 else f"{values[0]:.3f}"
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace):
+        self.args, self.out = args, args.out
+        self.data, self.sasrec = self.out / "data", self.out / "sasrec-s0"
+        self.commands: dict[str, list[str]] = {}
+        self.log = self.out / "commands.log"
+
+    def step(self, name: str, output: Path, args: list[str], threads: int = 2) -> None:
+        """Run a command unless its output exists; remember the command either way."""
+        self.commands[name] = ["c2kd", *args]
+        if not _done(output):
+            print(f"== {name}", flush=True)
+            c2kd(args, self.log, threads)
+
+    def data_and_sasrec(self) -> None:
+        self.step("prepare", self.data, ["prepare", "movielens-100k", "--out", str(self.data), "--max-train-per-user", "5"])
+        for seed in (0, 1, 2):
+            run = self.out / f"sasrec-s{seed}"
+            self.step(f"sasrec-s{seed}", run, ["train-sasrec", "--data", str(self.data), "--out", str(run), "--seed", str(seed)])
+
+    def family(self, name: str) -> None:
+        a, fam = self.args, FAMILIES[name]
+        root, alias, keep = self.out / name, fam["alias"], f"first:{fam['keep']}"
+        root.mkdir(parents=True, exist_ok=True)
+        quick = ["--max-train", "64", "--max-val", "32"] if a.quick else []
+        common = ["--data", str(self.data), "--format", "ids", "--item-head", "hybrid", "--no-progress", *quick]
+        self.step(f"{name}/teacher", root / "teacher", [
+            "train-teacher", *common, "--sasrec", str(self.sasrec), "--out", str(root / "teacher"), "--model", alias,
+            "--lr", str(a.teacher_lr), "--epochs", str(1 if a.quick else a.teacher_epochs), "--batch-size", "32",
+            "--checkpoint-every", "25"])
+        self.step(f"{name}/teacher-test", root / "teacher-test.json", [
+            "evaluate", "--model", str(root / "teacher"), "--data", str(self.data), "--split", "test",
+            "--out", str(root / "teacher-test.json")])
+        self.step(f"{name}/cache", root / "cache" / "manifest.json", [
+            "cache-teacher", "--teacher", str(root / "teacher"), "--data", str(self.data), "--out", str(root / "cache"),
+            "--splits", "train", "--no-progress"])
+        student = ["--lr", str(a.student_lr), "--epochs", str(1 if a.quick else a.student_epochs), "--batch-size", "32"]
+        jobs = []
+        for seed in fam["seeds"][: 1 if a.quick else None]:
+            run = root / f"student-alone-s{seed}"
+            jobs.append((f"{name}/student-alone-s{seed}", run, [
+                "train-teacher", *common, "--sasrec", str(self.sasrec), "--out", str(run), "--model", alias,
+                "--shrink", keep, "--seed", str(seed), *student]))
+            for method, flags in METHODS.items():
+                run = root / f"{method.replace(' ', '-')}-s{seed}"
+                jobs.append((f"{name}/{method}-s{seed}", run, [
+                    "distill", "--cache", str(root / "cache"), "--data", str(self.data), "--out", str(run),
+                    "--student", alias, "--shrink", keep, "--item-head", "hybrid", "--seed", str(seed), "--no-progress",
+                    *flags, *student, *quick]))
+        with ThreadPoolExecutor(max_workers=2) as pool:  # small students: two at a time, one thread each
+            for done in [pool.submit(self.step, n, o, c, 1) for n, o, c in jobs]:
+                done.result()
+
+    def timed(self, name: str) -> None:
+        """Batch-1 latency (teacher vs student, interleaved) and parameters; alone, one thread."""
+        root = self.out / name
+        path = root / "latency.json"
+        self.commands[f"{name}/latency"] = ["python", "benchmarks/real_llm.py", "--out", str(self.out)]
+        if path.exists():
+            return
+        print(f"== {name}/latency", flush=True)
+        code = (
+            "import json, sys, torch; torch.set_num_threads(1)\n"
+            "from c2kd.latency import interleaved_latency, reclm_request\n"
+            "from c2kd.pipeline.examples import load_examples\n"
+            "from c2kd.recmodel.model import RecLM\n"
+            f"ex = load_examples({str(self.data)!r}); test = ex.split('test')\n"
+            f"models = {{'teacher': RecLM.load({str(root / 'teacher')!r}).eval(), "
+            f"'student': RecLM.load({str(root / 'C2KD-s0')!r}).eval()}}\n"
+            "reqs = {k: reclm_request(m, test, ex.titles()) for k, m in models.items()}\n"
+            f"ms = interleaved_latency(reqs, {10 if self.args.quick else 100})\n"
+            "out = {k: {'latency_ms': ms[k], 'non_embedding_parameters': m.non_embedding_parameters(),\n"
+            "           'parameters': sum(p.numel() for p in m.parameters())} for k, m in models.items()}\n"
+            f"open({str(path)!r}, 'w').write(json.dumps(out, indent=2))\n"
+        )
+        subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    def summary(self) -> dict:
+        def test_metrics(run: Path, record: str) -> dict:
+            r = json.loads((run / record).read_text())
+            return r["metrics"]["test"] if "metrics" in r else r
+
+        sasrec = [json.loads((self.out / f"sasrec-s{s}" / "metrics.json").read_text())["test"] for s in (0, 1, 2)]
+        result = {"sasrec": {f"{g}/{m}": [r[g][m] for r in sasrec] for g, m in METRICS}, "families": {},
+                  "commands": self.commands, "settings": vars(self.args) | {"out": str(self.out)}}
+        for name in self.args.families:
+            root, seeds = self.out / name, FAMILIES[name]["seeds"][: 1 if self.args.quick else None]
+            if not (root / "teacher-test.json").exists():
+                continue
+            fam: dict = {"rows": {}}
+            teacher = json.loads((root / "teacher-test.json").read_text())
+            fam["rows"]["teacher"] = {f"{g}/{m}": [teacher[g][m]] for g, m in METRICS}
+            runs = {"student alone": ("student-alone", "train.json")}
+            runs.update({m: (m.replace(" ", "-"), "distill.json") for m in METHODS})
+            for label, (prefix, record) in runs.items():
+                done = [root / f"{prefix}-s{s}" for s in seeds if (root / f"{prefix}-s{s}" / record).exists()]
+                if done:
+                    if record == "train.json":
+                        metrics = [json.loads((d / "metrics-test.json").read_text()) for d in done
+                                   if (d / "metrics-test.json").exists()]
+                    else:
+                        metrics = [test_metrics(d, record) for d in done]
+                    if metrics:
+                        fam["rows"][label] = {f"{g}/{m}": [x[g][m] for x in metrics] for g, m in METRICS}
+            if (root / "latency.json").exists():
+                fam["latency"] = json.loads((root / "latency.json").read_text())
+            fam["goals"] = goals(result["sasrec"], fam["rows"])
+            result["families"][name] = fam
+        return result
+
+    def student_tests(self) -> None:
+        """Test metrics of the students trained alone (train-teacher selects on validation only)."""
+        for name in self.args.families:
+            for seed in FAMILIES[name]["seeds"]:
+                run = self.out / name / f"student-alone-s{seed}"
+                if (run / "train.json").exists():
+                    self.step(f"{name}/student-alone-s{seed}-test", run / "metrics-test.json", [
+                        "evaluate", "--model", str(run), "--data", str(self.data), "--split", "test",
+                        "--out", str(run / "metrics-test.json")])
+
+
+def goals(sasrec: dict, rows: dict) -> dict:
+    """The issue's goals on test HR@1, measured and stated plainly."""
+    hr = {k: statistics.mean(v["candidates/HR@1"]) for k, v in rows.items()}
+    out: dict = {}
+    if "teacher" in hr:
+        out["teacher >= SASRec"] = {"teacher": hr["teacher"], "SASRec": statistics.mean(sasrec["candidates/HR@1"]),
+                                    "holds": hr["teacher"] >= statistics.mean(sasrec["candidates/HR@1"])}
+    if {"teacher", "student alone"} <= set(hr):
+        ratio = hr["teacher"] / hr["student alone"]
+        out["teacher >= 1.15 x student alone"] = {"ratio": ratio, "holds": ratio >= 1.15}
+    if {"teacher", "C2KD"} <= set(hr):
+        share = hr["C2KD"] / hr["teacher"]
+        out["C2KD >= 95% of teacher"] = {"share": share, "holds": share >= 0.95}
+    if {"C2KD", "SFT from cache"} <= set(hr):
+        ratio = hr["C2KD"] / hr["SFT from cache"]
+        out["C2KD >= 1.2 x SFT student"] = {"ratio": ratio, "holds": ratio >= 1.2}
+    if {"C2KD", "logit KD"} <= set(hr):
+        diffs = [a - b for a, b in zip(rows["C2KD"]["candidates/HR@1"], rows["logit KD"]["candidates/HR@1"])]
+        out["C2KD - logit KD (paired over seeds)"] = {
+            "differences": diffs, "mean": statistics.mean(diffs),
+            "std": statistics.stdev(diffs) if len(diffs) > 1 else None}
+    return out
+
+
+def markdown(result: dict) -> str:
+    lines = []
+    sasrec = result["sasrec"]
+    for name, fam in result["families"].items():
+        lines += [f"### {FAMILIES[name]['alias']}", "",
+                  "| model | n | test HR@1 | NDCG@10 | MRR | full-catalog NDCG@10 |", "|---|---|---|---|---|---|",
+                  "| SASRec | 3 | " + " | ".join(mean_std(sasrec[f"{g}/{m}"]) for g, m in METRICS) + " |"]
+        for label, row in fam["rows"].items():
+            n = len(row["candidates/HR@1"])
+            lines.append(f"| {label} | {n} | " + " | ".join(mean_std(row[f"{g}/{m}"]) for g, m in METRICS) + " |")
+        if "latency" in fam:
+            t, s = fam["latency"]["teacher"], fam["latency"]["student"]
+            lines += ["", f"non-embedding parameters: teacher {t['non_embedding_parameters']:,}, student "
+                          f"{s['non_embedding_parameters']:,} ({t['non_embedding_parameters'] / s['non_embedding_parameters']:.1f}x fewer); "
+                          f"batch-1 latency {t['latency_ms']:.1f} / {s['latency_ms']:.1f} ms "
+                          f"(student ÷ teacher {s['latency_ms'] / t['latency_ms']:.2f})"]
+        lines += ["", "| goal | measured | holds |", "|---|---|---|"]
+        for goal, value in fam["goals"].items():
+            shown = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in value.items() if k != "holds"}
+            lines.append(f"| {goal} | {shown} | {value.get('holds', '–')} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("runs/bench/real_llm"))
+    parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
+    parser.add_argument("--teacher-lr", type=float, default=1e-4)
+    parser.add_argument("--teacher-epochs", type=int, default=2)
+    parser.add_argument("--student-lr", type=float, default=1e-3)
+    parser.add_argument("--student-epochs", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="a smoke run on tiny subsets (the numbers mean nothing)")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    bench = Bench(args)
+    started = time.perf_counter()
+    bench.data_and_sasrec()
+    for name in args.families:
+        bench.family(name)
+    bench.student_tests()
+    for name in args.families:
+        bench.timed(name)
+    result = bench.summary()
+    result["seconds_this_run"] = round(time.perf_counter() - started)
+    (args.out / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
+    (args.out / "summary.md").write_text(markdown(result))
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()
