@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import zipfile
 from pathlib import Path
 
@@ -464,3 +465,58 @@ def test_cli_reports_bad_input_in_one_line(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: ") and "missing column 'timestamp'" in lines[0]
     assert "Traceback" not in result.output
     assert not (tmp_path / "out").exists()
+
+
+def _movielens_copies(folder: Path) -> dict[str, tuple]:
+    """MovieLens-100k written the ways users hold it, from the recbole wheel's atomic files:
+    a GroupLens folder (u.data, Latin-1 u.item with "Title (year)" and the "(1995) (V)" quirk of
+    item 1412), its zip, a CSV and a Parquet table with an items file, and the RecBole folder."""
+    from c2kd.pipeline.sources import movielens_100k_dir
+
+    recbole = movielens_100k_dir()
+    inter = pl.read_csv(recbole / "ml-100k.inter", separator="\t", new_columns=["user", "item", "rating", "timestamp"])
+    items = pl.read_csv(recbole / "ml-100k.item", separator="\t", quote_char=None,
+                        new_columns=["item", "title", "year", "genres"], schema_overrides={"year": pl.String})
+    titles = []
+    for title, year in zip(items["title"].to_list(), items["year"].to_list()):
+        if year == "V":  # RecBole split "... (1995) (V)" into title "... (1995)" and year "V"
+            titles.append(f"{title} (V)")
+        elif year is None or not year.isdigit():
+            titles.append("unknown")  # GroupLens's placeholder for the untitled movie
+        else:
+            titles.append(f"{title} ({year})")
+    gl = folder / "grouplens"
+    gl.mkdir(parents=True)
+    (gl / "u.data").write_text("".join(f"{u}\t{i}\t{int(r)}\t{int(t)}\n" for u, i, r, t in inter.iter_rows()))
+    (gl / "u.item").write_bytes("".join(f"{i}|{t}|01-Jan-1995||http://x|0|0\n"
+                                        for i, t in zip(items["item"].to_list(), titles)).encode("latin-1"))
+    archive = folder / "ml-100k.zip"
+    with zipfile.ZipFile(archive, "w") as z:
+        for name in ("u.data", "u.item"):
+            z.write(gl / name, f"ml-100k/{name}")
+    events = inter.select("user", "item", pl.col("timestamp").cast(pl.Int64))
+    item_titles = pl.DataFrame({"item": items["item"], "title": titles})
+    events.write_csv(folder / "interactions.csv")
+    item_titles.write_csv(folder / "items.csv")
+    events.write_parquet(folder / "interactions.parquet")
+    item_titles.write_parquet(folder / "items.parquet")
+    shutil.copytree(recbole, folder / "recbole-folder")
+    return {
+        "movielens-100k": ("movielens-100k", None),
+        "GroupLens folder": (gl, None),
+        "GroupLens zip": (archive, None),
+        "CSV": (folder / "interactions.csv", folder / "items.csv"),
+        "Parquet": (folder / "interactions.parquet", folder / "items.parquet"),
+        "RecBole folder": (folder / "recbole-folder", None),
+    }
+
+
+@pytest.mark.slow
+def test_every_copy_of_movielens_gives_one_fingerprint(tmp_path):
+    fingerprints = {}
+    for name, (source, items) in _movielens_copies(tmp_path / "src").items():
+        manifest = prepare(source, tmp_path / name.replace(" ", "-"), max_train_per_user=5, items=items)
+        fingerprints[name] = manifest["fingerprint"]
+    titles = load_examples(tmp_path / "GroupLens-folder").titles()
+    assert titles[1412] == "Land Before Time III: The Time of the Great Giving" and titles[267] == "item 267"
+    assert len(set(fingerprints.values())) == 1, fingerprints

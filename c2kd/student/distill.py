@@ -163,11 +163,11 @@ def distill(
     if recipe.method == "c2kd" and kind == "fixed" and fixed_layer not in spec.layers:
         raise C2KDError(f"--router {recipe.router}: layer {fixed_layer} is not cached (cached: {list(spec.layers)})")
     student = build_student(recipe, teacher_cache, seed=config.seed)
+    teacher_cache.teacher_config()  # with the tokenizer, embeddings and head: every asset checksummed before training
     layer_map = None
     if recipe.method == "feature-kd":
-        teacher_layers = spec.teacher_num_layers or int(teacher_cache.teacher_config().get("num_layers", 0))
-        layer_map = uniform_layer_map(student.num_layers, teacher_layers, spec.layers)
-    head_weight = teacher_cache.head_weight()  # checksummed: a damaged head is refused here
+        layer_map = uniform_layer_map(student.num_layers, spec.teacher_num_layers, spec.layers)
+    head_weight = teacher_cache.head_weight()
 
     rank = dist_env()[0]
     check_or_write_recipe(work, recipe_record, rank)  # only once everything could be opened and built
