@@ -21,9 +21,14 @@ app.add_typer(cache_app, name="cache")
 @app.callback()
 def _main() -> None:
     """c2kd: distil an LLM recommender into a small on-device one (C2KD)."""
+    import logging
+
     from c2kd.recmodel.hf import quiet_transformers
 
     quiet_transformers()  # c2kd's own progress bars only
+    # After a failed chunk read, zarr's other reads of that call are still pending when the process
+    # exits with its one-line error; asyncio would print a "Task was destroyed" warning for each.
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
 
 # Each section below holds the thin command wrappers of one module; the work lives in the module.
 
@@ -248,7 +253,7 @@ def train_teacher_cmd(
     fmt: str = typer.Option("ids", "--format", help="Prompt format: ids (one token per item) or llara (titles + slots)."),
     model: str = typer.Option("tiny-teacher", "--model", help="A preset (tiny-teacher, tiny-student, micro), a pretrained alias (smollm2-135m, gemma3-270m), a Hugging Face folder, a .gguf file or a saved model folder."),
     shrink: Shrink = None,
-    item_head: str = typer.Option("token", "--item-head", help="ids: score items with their token row (token) or with it plus the projected SASRec embedding (hybrid)."),
+    item_head: str = typer.Option("auto", "--item-head", help="Score items with their token row (token) or with it plus the projected SASRec embedding (hybrid, ids only); auto: hybrid for ids."),
     lora_r: Optional[int] = typer.Option(None, "--lora-r", help="Train LoRA adapters of this rank (plus item-token rows and projector) instead of all weights."),
     lora_alpha: Optional[float] = typer.Option(None, "--lora-alpha", help="LoRA alpha (default 2 x rank)."),
     lora_dropout: float = typer.Option(0.05, "--lora-dropout", help="Dropout on the LoRA inputs."),
@@ -433,7 +438,7 @@ def distill_cmd(
     cache: str = typer.Option(..., "--cache", help="Teacher cache (a folder or an https:// / s3:// URL); the only teacher input."),
     student: str = typer.Option("tiny-student", "--student", help="A preset (tiny-student, micro, ...) built with the cache's tokenizer, a pretrained alias or folder with --shrink, or a saved model folder."),
     shrink: Shrink = None,
-    item_head: str = typer.Option("token", "--item-head", help="ids: the student scores items with their token row (token) or plus the projected SASRec embedding (hybrid)."),
+    item_head: str = typer.Option("auto", "--item-head", help="The student scores items with their token row (token) or plus the projected SASRec embedding (hybrid, ids only); auto: hybrid for ids."),
     out: Path = typer.Option(..., "--out", help="Student model folder to create (work in progress lives in OUT.partial/)."),
     data: Path = typer.Option(..., "--data", help="Prepared examples folder the cache was built from (validation and test)."),
     method: str = typer.Option("c2kd", "--method", help="c2kd | sft | logit-kd | feature-kd."),

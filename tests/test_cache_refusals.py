@@ -160,3 +160,11 @@ def test_writer_never_touches_a_sealed_cache_even_without_its_journal(sealed, co
     writer = CacheWriter(copy, sealed[1])
     assert writer.already_complete
     assert verify_cache(copy).ok
+
+
+def test_a_stray_shard_folder_is_named_by_verify_and_refused_by_readers(copy):
+    shutil.copytree(copy / "shards" / "shard-00000", copy / "shards" / "shard-00099")
+    report = verify_cache(copy)
+    assert not report.ok and any("shard-00099" in p and "not listed" in p for p in report.problems)
+    with pytest.raises(CacheError, match="shard-00099 not listed in the manifest"):
+        TeacherCache.open(copy)

@@ -95,6 +95,12 @@ class TeacherCache:
         if manifest["arrays"] != S.array_layout(spec):
             raise CacheError(f"{location}/{S.MANIFEST}: the array layout does not follow from the spec (damaged)")
         check_expectation(spec, expect, str(location))
+        if location.is_local and (location.local_root / S.SHARDS).is_dir():
+            listed = {entry["name"] for entry in manifest["shards"]}
+            stray = sorted(p.name for p in (location.local_root / S.SHARDS).iterdir() if p.name not in listed)
+            if stray:
+                raise CacheError(f"{location}/{S.SHARDS}: {', '.join(stray[:3])} not listed in the manifest; "
+                                 "run `c2kd cache verify`")
         try:
             raw = location.read_bytes(S.INDEX)
         except FileNotFoundError:

@@ -70,7 +70,7 @@ class TeacherRecipe:
     fmt: str = "ids"
     model: str = "tiny-teacher"  # a preset, a pretrained alias, a Hugging Face folder, a .gguf file or a saved RecLM
     shrink: str | None = None  # first:K | narrow:WIDTHxLAYERS (students of a pretrained model)
-    item_head: str = "token"  # token | hybrid (ids: item rows + projected SASRec embeddings)
+    item_head: str = "auto"  # token | hybrid (ids: item rows + projected SASRec embeddings) | auto
     lora: LoraSettings | None = None
     max_train: int | None = None  # a seeded subset of the train split (CPU runs)
     max_val: int | None = None  # the first N validation examples for model selection
@@ -79,7 +79,7 @@ class TeacherRecipe:
 
     def __post_init__(self) -> None:
         check_format(self.fmt)
-        check_source(self.model, self.shrink, self.item_head)
+        check_source(self.model, self.shrink, self.item_head, self.fmt)
         for name in ("max_train", "max_val"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise C2KDError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")

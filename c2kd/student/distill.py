@@ -53,7 +53,7 @@ class DistillRecipe:
     method: str = "c2kd"
     student: str = "tiny-student"  # a preset, a pretrained alias or folder (with shrink), or a saved RecLM
     shrink: str | None = None  # first:K | narrow:WIDTHxLAYERS
-    item_head: str = "token"  # token | hybrid, for a student built here
+    item_head: str = "auto"  # token | hybrid | auto (hybrid for ids), for a student built here
     router: str = "top1"  # top1 | soft | fixed:L
     cross_head: bool = True
     orth: bool = True
