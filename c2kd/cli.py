@@ -485,6 +485,72 @@ def distill_cmd(
             f"test {summary}; model folder: {out}"
         )
 
+# --- deployment: export / recommend ---
+
+
+@app.command("export")
+def export_cmd(
+    model: Path = typer.Option(..., "--model", help="A saved recommender folder (teacher or student, ids format)."),
+    data: Path = typer.Option(..., "--data", help="Prepared examples folder it was trained on (its item titles go along)."),
+    out: Path = typer.Option(..., "--out", help="Folder to write: model.onnx + ranker.json."),
+    fmt: str = typer.Option("onnx", "--format", help="onnx (the only one: see the README for ExecuTorch)."),
+    quantize: str = typer.Option("none", "--quantize", help="none or int8 (dynamic quantisation of the weights)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing folder."),
+) -> None:
+    """Export a recommender as one ONNX graph that ranks items with onnxruntime alone (no PyTorch)."""
+    import warnings
+
+    from c2kd.deploy.export import export_ranker
+    from c2kd.pipeline.examples import load_examples
+
+    with reporting_errors():
+        if fmt != "onnx":
+            raise C2KDError(f"--format {fmt!r}: expected onnx (ExecuTorch does not run with this torch; see the README)")
+        examples = load_examples(data)
+        with warnings.catch_warnings():  # the tracer's notes about Python control flow in the model
+            warnings.simplefilter("ignore")
+            folder = export_ranker(model, out, examples.titles(), quantize=quantize, overwrite=overwrite)
+    size = sum(p.stat().st_size for p in folder.iterdir())
+    typer.echo(f"exported {model} to {folder} ({_human_bytes(size)}, {quantize} weights)")
+
+
+@app.command("recommend")
+def recommend_cmd(
+    model: Path = typer.Option(..., "--model", help="A saved recommender folder, or an exported ranker folder."),
+    data: Path = typer.Option(..., "--data", help="Prepared examples folder (users, titles)."),
+    user: Optional[int] = typer.Option(None, "--user", help="A user of the data (internal id 0..U-1): ranks their test candidates."),
+    history: Optional[str] = typer.Option(None, "--history", help="A made-up user: watched titles, 'Title A; Title B; ...'."),
+    candidates: Optional[str] = typer.Option(None, "--candidates", help="With --history: titles to choose from (default: the 20 most watched)."),
+    top: int = typer.Option(10, "--top", help="How many recommendations to show."),
+) -> None:
+    """Show a user's recent history and what the model recommends next, with titles and scores."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from c2kd.deploy.recommend import made_up_request, rank, user_request
+    from c2kd.pipeline.examples import load_examples
+
+    with reporting_errors():
+        if (user is None) == (history is None):
+            raise C2KDError("give either --user U (a user of the data) or --history 'Title A; Title B'")
+        if top < 1:
+            raise C2KDError(f"--top must be >= 1, got {top}")
+        examples = load_examples(data)
+        request = user_request(examples, user) if user is not None else made_up_request(examples, history, candidates)
+        ranked = rank(model, request, examples, top)
+    titles = examples.titles()
+    console = Console()
+    who = f"user {user}" if user is not None else "a made-up user"
+    console.print(f"[bold]{who}[/] watched (oldest first): " + "; ".join(titles[i] for i in request.history[-10:]))
+    table = Table(title=f"top {len(ranked)} of {len(request.candidates)} candidates — {model}")
+    for col in ("rank", "title", "score"):
+        table.add_column(col, justify="left" if col == "title" else "right")
+    for k, (item, score) in enumerate(ranked, 1):
+        mark = "  ← watched next (held out)" if item == request.target else ""
+        table.add_row(str(k), titles[item] + mark, f"{score:.3f}")
+    console.print(table)
+
+
 # --- demo ---
 
 

@@ -1,0 +1,1 @@
+"""Deployment: export a recommender to ONNX, rank with onnxruntime alone, recommend."""

@@ -1,0 +1,94 @@
+"""Ranking items with an exported recommender: onnxruntime and numpy only, no PyTorch.
+
+    ranker = Ranker.load("runs/student-onnx")
+    scores = ranker.scores(history=[50, 181, 172], candidates=[...])         # one score per candidate
+    top = ranker.recommend(history=[50, 181, 172], candidates=[...], top=10)  # [(item, score), ...]
+
+Prompts are built from item ids exactly as `c2kd.recmodel.prompts` builds an `ids` prompt (bos,
+"history:", the items, "candidates:", the candidates, "next:"), in the exported model's small
+vocabulary (`ranker.json`). The models choose among the candidates in their prompt (that is what
+they were trained and evaluated on), so a recommendation ranks given candidates.
+This module must not import torch: an on-device runtime has no PyTorch.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+RANKER_KIND = "c2kd-ranker"
+MODEL_FILE = "model.onnx"
+RANKER_FILE = "ranker.json"
+
+
+class RankerError(ValueError):
+    """An exported folder or a request the ranker cannot serve (the message says which)."""
+
+
+@dataclass
+class Ranker:
+    session: object  # onnxruntime.InferenceSession
+    spec: dict
+    folder: Path
+
+    @classmethod
+    def load(cls, folder: str | Path, threads: int = 1) -> Ranker:
+        import onnxruntime as ort
+
+        folder = Path(folder)
+        try:
+            spec = json.loads((folder / RANKER_FILE).read_text())
+        except (OSError, ValueError):
+            raise RankerError(f"{folder}: not an exported ranker (no readable {RANKER_FILE})") from None
+        if spec.get("kind") != RANKER_KIND or not (folder / MODEL_FILE).is_file():
+            raise RankerError(f"{folder}: not an exported ranker ({RANKER_FILE} of kind {RANKER_KIND!r} + {MODEL_FILE})")
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+        session = ort.InferenceSession(str(folder / MODEL_FILE), options, providers=["CPUExecutionProvider"])
+        return cls(session, spec, folder)
+
+    @property
+    def num_items(self) -> int:
+        return int(self.spec["num_items"])
+
+    def title(self, item: int) -> str:
+        return self.spec["titles"][item]
+
+    def _check(self, items: Sequence[int]) -> None:
+        bad = [i for i in items if not 1 <= int(i) <= self.num_items]
+        if bad:
+            raise RankerError(f"item id(s) {bad[:5]} outside 1..{self.num_items}")
+
+    def prompt(self, history: Sequence[int], candidates: Sequence[int] = ()) -> list[int]:
+        """The `ids` prompt of these items, in the exported vocabulary."""
+        self._check([*history, *candidates])
+        p, offset = self.spec["pieces"], int(self.spec["item_token_offset"]) - 1
+        return [*p["bos"], *p["history"], *(offset + int(i) for i in history), *p["candidates"],
+                *(offset + int(i) for i in candidates), *p["next"]]
+
+    def catalog_scores(self, prompts: Sequence[Sequence[int]]) -> np.ndarray:
+        """[B, N + 1] scores of every item (column 0, padding, is -inf) for a batch of prompts."""
+        width = max(len(p) for p in prompts)
+        ids = np.full((len(prompts), width), int(self.spec["pad_id"]), dtype=np.int64)
+        mask = np.zeros((len(prompts), width), dtype=np.int64)
+        for row, p in enumerate(prompts):  # left-padded: every prompt ends in the last column
+            ids[row, width - len(p):] = p
+            mask[row, width - len(p):] = 1
+        (scores,) = self.session.run(["scores"], {"input_ids": ids, "attention_mask": mask})
+        scores[:, 0] = -np.inf
+        return scores
+
+    def scores(self, history: Sequence[int], candidates: Sequence[int]) -> np.ndarray:
+        """The score of each candidate (in the order given) after this history."""
+        return self.catalog_scores([self.prompt(history, candidates)])[0, np.asarray(candidates, dtype=np.int64)]
+
+    def recommend(self, history: Sequence[int], candidates: Sequence[int], top: int = 10) -> list[tuple[int, float]]:
+        """The `top` candidates by score, best first."""
+        scores = self.scores(history, candidates)
+        order = np.argsort(-scores, kind="stable")[:top]
+        return [(int(candidates[k]), float(scores[k])) for k in order]
