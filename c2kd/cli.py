@@ -317,6 +317,7 @@ def cache_teacher_cmd(
     examples_per_shard: int = typer.Option(256, "--examples-per-shard", help="Examples per shard (the unit of writing, resuming and reading)."),
     device: str = typer.Option("auto", "--device", help="auto (cuda:LOCAL_RANK if available, else cpu), cpu, cuda, cuda:1, ..."),
     writer: str = typer.Option("process", "--writer", help="Write shards from a background process (keeps the GIL off the forward) or a thread."),
+    part: str = typer.Option("", "--part", help="i/n: write part i of n (one per machine), then `c2kd cache merge` the n parts."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar."),
 ) -> None:
     """Stage one: run the teacher once and write the teacher cache (sharded Zarr + Parquet index).
@@ -330,7 +331,7 @@ def cache_teacher_cmd(
             splits=tuple(s.strip() for s in splits.split(",") if s.strip()), layers=_int_list(layers, "--layers"),
             positions=positions, logits=logits, dtype=dtype, compression=compression,
             max_tokens_per_batch=max_tokens_per_batch, examples_per_shard=examples_per_shard, device=device,
-            writer=writer, progress=progress,
+            writer=writer, part=part, progress=progress,
         )
         summary = cache_teacher(teacher, data, out, settings)
     if summary["rank"] != 0:
@@ -381,6 +382,7 @@ def cache_info_cmd(
     splits = ", ".join(f"{k} {v:,}" for k, v in info["splits"].items()) or "-"
     rows = [
         ("status", status),
+        ("digest (identity)", str(info["digest"] or "- (not sealed)")),
         ("schema version", str(info["schema_version"])),
         ("created by", f"{info['created_by']} at {info['created_at']}"),
         ("teacher", f"{info['teacher']} ({info['teacher_layers']} layers, width {info['hidden_size']}, vocab {info['vocab_size']:,})"),
@@ -430,6 +432,64 @@ def cache_verify_cmd(
         one_line_error(f"bad shard(s): {', '.join(report.bad_shards)}")
     raise typer.Exit(code=1)
 
+def _transfer_progress(label: str):
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    return Progress(TextColumn(f"[bold]{label}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                    TimeRemainingColumn(), transient=True)
+
+
+@cache_app.command("push")
+def cache_push_cmd(
+    cache: Path = typer.Argument(..., help="A complete local cache folder."),
+    url: str = typer.Argument(..., help="Where to put it: s3://bucket/path, gs://..., hf://..., file://... (fsspec)."),
+) -> None:
+    """Copy a cache to object storage, file by file, manifest last; rerun to resume."""
+    from c2kd.cache_schema.transfer import push
+
+    with reporting_errors(), _transfer_progress("push") as bar:
+        task = bar.add_task("push", total=None)
+        result = push(cache, url, progress=lambda done, total: bar.update(task, completed=done, total=total))
+    if result["already_there"]:
+        typer.echo(f"{url} already holds this cache (digest {result['digest']})")
+        return
+    typer.echo(f"pushed {cache} to {url}: {result['files_sent']} files sent ({_human_bytes(result['bytes_sent'])}), "
+               f"{result['files_skipped']} already there; digest {result['digest']}")
+
+
+@cache_app.command("pull")
+def cache_pull_cmd(
+    url: str = typer.Argument(..., help="The cache's URL (s3://, gs://, hf://, https://, file://)."),
+    out: Path = typer.Argument(..., help="An empty or new local folder (or a cut pull of the same cache, resumed)."),
+    expect: Optional[str] = typer.Option(None, "--expect", help="The cache digest you expect (at least 8 hex digits); anything else is refused."),
+) -> None:
+    """Copy a cache from a URL, every file checked against the manifest on arrival; rerun to resume."""
+    from c2kd.cache_schema.transfer import pull
+
+    with reporting_errors(), _transfer_progress("pull") as bar:
+        task = bar.add_task("pull", total=None)
+        result = pull(url, out, expect=expect, progress=lambda done, total: bar.update(task, completed=done, total=total))
+    if result["already_there"]:
+        typer.echo(f"{out} already holds this cache (digest {result['digest']})")
+        return
+    typer.echo(f"pulled {url} to {out}: {result['files_fetched']} files ({_human_bytes(result['bytes_fetched'])}), "
+               f"{result['files_skipped']} already there; digest {result['digest']}")
+
+
+@cache_app.command("merge")
+def cache_merge_cmd(
+    parts: list[Path] = typer.Argument(..., help="The part caches 1/n .. n/n (written with cache-teacher --part)."),
+    out: Path = typer.Option(..., "--out", help="The merged cache folder to write (rerun to resume)."),
+) -> None:
+    """Merge part caches written on several machines into the one cache a single run writes."""
+    from c2kd.cache_schema.merge import merge_caches
+
+    with reporting_errors():
+        manifest = merge_caches(parts, out)
+    typer.echo(f"merged {len(parts)} parts into {out}: {len(manifest['shards'])} shards, "
+               f"{manifest['totals']['examples']:,} examples; digest {manifest['digest']}")
+
+
 # --- stage two: distill ---
 
 
@@ -452,6 +512,7 @@ def distill_cmd(
     stage1_epochs: int = typer.Option(1, "--stage1-epochs", help="Epochs of stage 1 (layer filters on cached teacher states; c2kd only)."),
     stage1_lr: float = typer.Option(1e-3, "--stage1-lr", help="Learning rate of stage 1."),
     select_metric: str = typer.Option("NDCG@10", "--select-metric", help="Validation metric that picks the best state."),
+    read_cache: Optional[Path] = typer.Option(None, "--read-cache", help="For a cache at a URL: a local folder keeping each fetched file, so it is fetched once [default: $C2KD_HOME/remote-caches]."),
     epochs: Epochs = None, max_steps: MaxSteps = None, batch_size: BatchSize = None, grad_accum: GradAccum = None,
     lr: Lr = None, weight_decay: WeightDecay = None, warmup_ratio: WarmupRatio = None, max_grad_norm: MaxGradNorm = None,
     checkpoint_every: CheckpointEvery = None, eval_every: EvalEvery = None, seed: Seed = None, bf16: Bf16 = False,
@@ -475,7 +536,8 @@ def distill_cmd(
                                weight_decay=weight_decay, warmup_ratio=warmup_ratio, max_grad_norm=max_grad_norm,
                                checkpoint_every=checkpoint_every, eval_every=eval_every, seed=seed, bf16=bf16,
                                device=device, progress=progress)
-        record = distill(cache, data, out, recipe, config, overwrite=overwrite, keep_checkpoints=keep_checkpoints)
+        record = distill(cache, data, out, recipe, config, overwrite=overwrite, keep_checkpoints=keep_checkpoints,
+                         read_cache=read_cache)
     if is_main_process():
         test = record["metrics"]["test"]
         summary = ", ".join(f"{k} {v:.4f}" for k, v in test["candidates"].items() if k in ("HR@1", "NDCG@10", "MRR"))

@@ -87,17 +87,21 @@ class TeacherCache:
         expect: CacheExpectation | Mapping | None = None,
         *,
         storage_options: dict | None = None,
+        read_cache: str | os.PathLike | None = None,
     ) -> TeacherCache:
-        """Open a cache read-only (see the module docstring for what is checked when)."""
-        location = CacheLocation(path_or_url, storage_options)
+        """Open a cache read-only (see the module docstring for what is checked when); for a URL,
+        `read_cache` is a local folder that keeps each fetched file (see CacheLocation)."""
+        location = CacheLocation(path_or_url, storage_options, read_cache)
         manifest = read_manifest(location)
+        location.use_digest(manifest["digest"])
         spec = S.CacheSpec.from_dict(manifest["spec"])
         if manifest["arrays"] != S.array_layout(spec):
             raise CacheError(f"{location}/{S.MANIFEST}: the array layout does not follow from the spec (damaged)")
         check_expectation(spec, expect, str(location))
         if location.is_local and (location.local_root / S.SHARDS).is_dir():
             listed = {entry["name"] for entry in manifest["shards"]}
-            stray = sorted(p.name for p in (location.local_root / S.SHARDS).iterdir() if p.name not in listed)
+            stray = sorted(p.name for p in (location.local_root / S.SHARDS).iterdir()
+                           if p.name not in listed and not p.name.startswith(S.TMP_PREFIX))
             if stray:
                 raise CacheError(f"{location}/{S.SHARDS}: {', '.join(stray[:3])} not listed in the manifest; "
                                  "run `c2kd cache verify`")
@@ -404,7 +408,8 @@ def content_digest(cache_or_path: TeacherCache | str | os.PathLike, batch_size: 
 
     cache = cache_or_path if isinstance(cache_or_path, TeacherCache) else TeacherCache.open(cache_or_path)
     h = hashlib.sha256()
-    h.update(S.canonical_json({k: v for k, v in cache.spec.to_dict().items() if k not in ("compression", "examples_per_shard")}).encode())
+    h.update(S.canonical_json({k: v for k, v in cache.spec.to_dict().items()
+                               if k not in ("compression", "examples_per_shard", "part")}).encode())
     ids = np.sort(cache.index["example_id"].to_numpy())
     split_of = dict(zip(cache.index["example_id"].to_list(), cache.index["split"].to_list()))
     for start in range(0, len(ids), batch_size):

@@ -171,6 +171,7 @@ class CacheSpec:
     teacher_num_layers: int = 0
     prompt_format: str = ""
     pad_token_id: int = 0
+    part: str = ""  # "i/n": this cache holds the shards i-1, i-1+n, ... of the full plan (for `cache merge`)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -196,6 +197,7 @@ class CacheSpec:
             raise CacheError(f"cache spec: positions {self.positions!r}, expected 'all' or 'answer'")
         if self.hidden_size <= 0 or self.vocab_size <= 0 or self.examples_per_shard <= 0:
             raise CacheError("cache spec: hidden_size, vocab_size and examples_per_shard must be positive")
+        parse_part(self.part)
 
     @property
     def logits_policy(self) -> LogitsPolicy:
@@ -227,6 +229,27 @@ class CacheSpec:
     def spec_hash(self) -> str:
         """sha256 of the canonical JSON of the spec: resuming requires the same hash."""
         return hashlib.sha256(canonical_json(self.to_dict()).encode()).hexdigest()
+
+    @property
+    def content_hash(self) -> str:
+        """The spec hash without `part`: what decides a shard's bytes (its attributes, its journal
+        entry), so the shards of part caches are the very shards of a single-run cache."""
+        return hashlib.sha256(canonical_json({**self.to_dict(), "part": ""}).encode()).hexdigest()
+
+    def owns(self, shard_id: int) -> bool:
+        """Whether a shard of the full plan belongs in this cache (always, but for part caches)."""
+        part = parse_part(self.part)
+        return part is None or shard_id % part[1] == part[0] - 1
+
+
+def parse_part(text: str) -> tuple[int, int] | None:
+    """"i/n" -> (i, n) with 1 <= i <= n; "" -> None."""
+    if not text:
+        return None
+    m = re.fullmatch(r"(\d+)/(\d+)", text.strip())
+    if not m or not 1 <= int(m.group(1)) <= int(m.group(2)):
+        raise CacheError(f"--part {text!r}: expected i/n with 1 <= i <= n, e.g. 1/2")
+    return int(m.group(1)), int(m.group(2))
 
 
 def canonical_json(obj: object) -> str:

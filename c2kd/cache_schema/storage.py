@@ -12,6 +12,7 @@ import fsspec
 from zarr.abc.store import OffsetByteRequest, RangeByteRequest, SuffixByteRequest
 from zarr.storage import FsspecStore, LocalStore, WrapperStore
 
+from c2kd.cache_schema.schema import MANIFEST
 from c2kd.errors import CacheError
 
 READ_BLOCK = 8 * 1024 * 1024
@@ -92,11 +93,20 @@ def _is_url(path_or_url: str | os.PathLike) -> bool:
 class CacheLocation:
     """The root of a cache: file reads, shard stores and (for local roots) the path itself.
 
-    Holds no open handles when pickled, so it can travel to DataLoader worker processes.
+    A URL is read through fsspec; with `read_cache` (a local folder) each remote file is fetched
+    whole once and every later read, ranged or not, is served from the local copy (fsspec's
+    file cache), so training over many epochs downloads the cache once. The copies live in a
+    subfolder named after the cache's digest (`use_digest`, once the manifest, which is always
+    read fresh, is known), so a cache replaced at the same URL is never mixed with the old one.
+    Nothing is ever written to the remote. Holds no open handles when pickled, so it can travel
+    to DataLoader workers.
     """
 
-    def __init__(self, path_or_url: str | os.PathLike, storage_options: dict | None = None) -> None:
+    def __init__(self, path_or_url: str | os.PathLike, storage_options: dict | None = None,
+                 read_cache: str | os.PathLike | None = None) -> None:
         self.storage_options = dict(storage_options or {})
+        self.read_cache = Path(read_cache).expanduser() if read_cache is not None else None
+        self._digest: str | None = None
         text = os.fspath(path_or_url)
         if _is_url(text) and text.startswith("file://"):
             text = text[len("file://") :]
@@ -107,12 +117,13 @@ class CacheLocation:
             self.local_root = Path(text).expanduser().resolve()
             self.url = str(self.local_root)
         self._fs: Any = None
+        self._cached_fs: Any = None
         self._fs_root = ""
         self._fs_pid = -1
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state["_fs"], state["_fs_pid"] = None, -1
+        state["_fs"], state["_fs_pid"], state["_cached_fs"] = None, -1, None
         return state
 
     def __str__(self) -> str:
@@ -125,15 +136,34 @@ class CacheLocation:
     def _filesystem(self) -> tuple[Any, str]:
         if self._fs is None or self._fs_pid != os.getpid():
             try:
-                self._fs, self._fs_root = fsspec.core.url_to_fs(self.url, **self.storage_options)
+                fs, self._fs_root = fsspec.core.url_to_fs(self.url, **self.storage_options)
             except (ImportError, ValueError) as e:  # unknown protocol, or its fsspec backend not installed
                 raise CacheError(f"{self.url}: cannot read this URL scheme ({e})") from None
-            self._fs_pid = os.getpid()
+            self._fs, self._fs_pid = fs, os.getpid()
+            self._cached_fs = None
         return self._fs, self._fs_root
 
+    def use_digest(self, digest: str) -> None:
+        """Keep fetched files under read_cache/<digest> (a no-op without a read cache)."""
+        self._digest, self._cached_fs = digest, None
+
+    def _reading_fs(self, rel: str) -> Any:
+        """The file cache for a remote cache's files once its digest is known; else the remote."""
+        fs, _ = self._filesystem()
+        if self.read_cache is None or self._digest is None or rel == MANIFEST:  # the manifest: always fresh
+            return fs
+        if self._cached_fs is None:
+            folder = self.read_cache / self._digest
+            folder.mkdir(parents=True, exist_ok=True)
+            protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+            self._cached_fs = fsspec.filesystem("filecache", target_protocol=protocol,
+                                                target_options=self.storage_options, cache_storage=str(folder),
+                                                check_files=False, expiry_time=False, skip_instance_cache=True)
+        return self._cached_fs
+
     def _remote(self, rel: str) -> tuple[Any, str]:
-        fs, root = self._filesystem()
-        return fs, f"{root.rstrip('/')}/{rel}"
+        _, root = self._filesystem()
+        return self._reading_fs(rel), f"{root.rstrip('/')}/{rel}"
 
     def read_bytes(self, rel: str) -> bytes:
         """The whole file at `rel` (raises FileNotFoundError when absent)."""
@@ -166,6 +196,11 @@ class CacheLocation:
         """A read-only Zarr store rooted at the folder `rel`."""
         if self.local_root is not None:
             return LocalStore(self.local_root / rel, read_only=True)
+        if self.read_cache is not None and self._digest is not None:
+            from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
+
+            fs, path = self._remote(rel)
+            return FsspecStore(AsyncFileSystemWrapper(fs), read_only=True, path=path)
         try:
             inner = FsspecStore.from_url(f"{self.url}/{rel}", storage_options=self.storage_options, read_only=True)
         except (ImportError, ValueError) as e:

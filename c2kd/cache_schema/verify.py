@@ -73,7 +73,8 @@ def verify_cache(
     shards = manifest["shards"]
     if loc.is_local and (loc.local_root / S.SHARDS).is_dir():
         listed = {s.get("name") for s in shards}
-        stray = sorted(p.name for p in (loc.local_root / S.SHARDS).iterdir() if p.name not in listed)
+        stray = sorted(p.name for p in (loc.local_root / S.SHARDS).iterdir()
+                       if p.name not in listed and not p.name.startswith(S.TMP_PREFIX))
         if stray:
             report.problems.append(f"{S.SHARDS}/: {', '.join(stray[:5])} not listed in the manifest (stray files)")
     for i, entry in enumerate(shards):
@@ -100,8 +101,10 @@ def _check_manifest_fields(loc: CacheLocation, manifest: dict, spec: S.CacheSpec
     except (FileNotFoundError, ValueError):
         pass  # reported by the asset check
     shards = manifest["shards"]
-    if [s.get("shard") for s in shards] != list(range(len(shards))):
-        report.problems.append(f"{where}: shards are not numbered 0..{len(shards) - 1} in order")
+    part = S.parse_part(spec.part) or (1, 1)  # part i/n holds shards i-1, i-1+n, ...
+    expected = list(range(part[0] - 1, part[0] - 1 + part[1] * len(shards), part[1]))
+    if [s.get("shard") for s in shards] != expected:
+        report.problems.append(f"{where}: shards are not numbered {expected[:3]}… in order")
     totals = manifest["totals"]
     for key, of in (("examples", "examples"), ("tokens", "tokens"), ("answers", "answers"), ("shard_bytes", "bytes")):
         if sum(int(s.get(of, 0)) for s in shards) != totals.get(key):

@@ -80,6 +80,7 @@ class CacheWriter:
         self.root = Path(root).expanduser().resolve()
         self.spec = spec
         self.spec_hash = spec.spec_hash
+        self.content_hash = spec.content_hash
         self.rank, self.world_size = rank, world_size
         self.already_complete = self._check_existing()
         self._entries: dict[int, dict] = {}
@@ -169,7 +170,7 @@ class CacheWriter:
                         continue  # a line being appended right now (or torn by a crash): not a finished shard
                     raise CacheError(f"{path}: line {number} is not a journal entry (the journal is damaged); "
                                      "delete the cache folder and write it again") from None
-                if entry.get("spec_hash") != self.spec_hash:
+                if entry.get("spec_hash") != self.content_hash:
                     raise CacheError(
                         f"{path}: shards of a cache made with other settings; choose another output folder"
                     )
@@ -202,6 +203,10 @@ class CacheWriter:
             for p in self.root.iterdir():
                 if p.name.startswith(S.TMP_PREFIX):
                     shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+    def manifest(self) -> dict:
+        """The manifest as it is on disk now."""
+        return json.loads((self.root / S.MANIFEST).read_text())
 
     def done_shards(self) -> set[int]:
         """Shards already part of the cache (journaled and present): skip them on resume."""
@@ -244,6 +249,8 @@ class CacheWriter:
         self._refuse_if_sealed()
         if not self._owns(shard_id):
             raise CacheError(f"shard {shard_id} belongs to rank {shard_id % self.world_size}, not rank {self.rank}")
+        if not self.spec.owns(shard_id):
+            raise CacheError(f"shard {shard_id} is not in part {self.spec.part} of the plan")
         if not records:
             raise CacheError(f"shard {shard_id}: no examples")
         split = records[0].split
@@ -256,7 +263,7 @@ class CacheWriter:
             "examples": len(records),
             "tokens": n_tok,
             "answers": n_ans,
-            "spec_hash": self.spec_hash,
+            "spec_hash": self.content_hash,
             "positions": self.spec.positions,
             "layers": list(self.spec.layers),
         }
@@ -280,16 +287,49 @@ class CacheWriter:
             "sha256": digest,
             "files": [[rel, size, per_file[rel]] for rel, size in files],
             "example_ids_sha256": example_ids_digest([r.example_id for r in records]),
-            "spec_hash": self.spec_hash,
+            "spec_hash": self.content_hash,
             "rank": self.rank,
             "written_ns": time.time_ns(),
         }
+        self._journal(entry)
+        return entry
+
+    def _journal(self, entry: dict) -> None:
+        """Append a finished shard's line to this rank's journal (fsync'd): now it is part of the cache."""
         with open(self._journal_path(self.rank), "ab") as f:
             f.write((json.dumps(entry, separators=(",", ":")) + "\n").encode())
             f.flush()
             os.fsync(f.fileno())
-        self._entries[shard_id] = entry
-        return entry
+        self._entries[int(entry["shard"])] = entry
+
+    def adopt_assets(self, folder: Path) -> None:
+        """Copy the assets folder of another cache of the same teacher (`cache merge`)."""
+        self._refuse_if_sealed()
+        with staged_dir(self.root / S.ASSETS, replace=True, durable=True) as tmp:
+            shutil.copytree(folder, tmp, dirs_exist_ok=True)
+
+    def adopt_shard(self, entry: dict, folder: Path) -> None:
+        """Take a finished shard of another cache of this content (`cache merge`): its files are
+        checked against `entry` (that cache's manifest entry), copied in whole, then journaled."""
+        self._refuse_if_sealed()
+        sid = int(entry["shard"])
+        if not self._owns(sid) or not self.spec.owns(sid):
+            raise CacheError(f"shard {sid} does not belong to this cache")
+        final = self.root / S.shard_path(sid)
+        tmp = temp_sibling(final)
+        try:
+            shutil.copytree(folder, tmp)
+            files = list_local_files(tmp)
+            if files != [(rel, size) for rel, size, _ in entry["files"]]:
+                raise CacheError(f"{folder}: its files differ from its manifest entry; run `c2kd cache verify` on it")
+            _, per_file = files_digest(files, _read_local(tmp))
+            bad = [rel for rel, _, sha in entry["files"] if per_file[rel] != sha]
+            if bad:
+                raise CacheError(f"{folder}/{bad[0]}: checksum does not match its manifest; run `c2kd cache verify` on it")
+            publish_dir(tmp, final, replace=True, durable=True)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        self._journal({**entry, "spec_hash": self.content_hash, "rank": self.rank, "written_ns": time.time_ns()})
 
     def _assemble(self, records: Sequence[ExampleRecord]) -> tuple[dict, int, int]:
         """The shard's arrays, as `schema.array_defs` lays them out."""

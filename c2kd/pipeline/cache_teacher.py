@@ -29,7 +29,8 @@ from c2kd.cache_schema import CacheSpec, CacheWriter, ExampleRecord, fingerprint
 from c2kd.cache_schema.dtypes import TORCH_DTYPES
 from c2kd.cache_schema.plan import PlannedShard, ShardPlan
 from c2kd.cache_schema.records import answer_positions
-from c2kd.cache_schema.schema import Compression, LogitsPolicy, STORAGE_DTYPES, POSITIONS
+from c2kd.cache_schema.merge import part_plan
+from c2kd.cache_schema.schema import POSITIONS, STORAGE_DTYPES, Compression, LogitsPolicy, parse_part
 from c2kd.errors import C2KDError, CacheError
 from c2kd.recmodel import hf
 from c2kd.pipeline.examples import SPLITS, ExampleSet, load_examples
@@ -51,6 +52,7 @@ class CacheTeacherSettings:
     examples_per_shard: int = 256
     queue_shards: int = 2  # finished shards waiting for the writer
     writer: str = "process"  # where shards are written: a background process, or a thread
+    part: str = ""  # "i/n": write part i of n of the cache (on n machines), for `c2kd cache merge`
     device: str = "auto"  # auto: cuda:LOCAL_RANK when available, else cpu
     progress: bool = True
 
@@ -74,6 +76,7 @@ class CacheTeacherSettings:
                 raise C2KDError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.writer not in WRITERS:
             raise C2KDError(f"--writer {self.writer!r}: expected one of {', '.join(WRITERS)}")
+        parse_part(self.part)
         distributed.pick_device(self.device)
 
 
@@ -193,6 +196,7 @@ def build_spec(model: RecLM, examples: ExampleSet, teacher_dir: Path, settings: 
         teacher_num_layers=model.num_layers,
         prompt_format=model.spec.format,
         pad_token_id=pad_id,
+        part=settings.part,
         extra={"num_items": model.spec.num_items},
     )
 
@@ -254,6 +258,7 @@ def cache_teacher(
         encoder = PromptEncoder(model.tokenizer, model.spec.format, examples.titles())
         spec = build_spec(model, examples, teacher_dir, settings, encoder.pad_id)
         plan = plan_shards({s: examples.split(s)["example_id"].to_list() for s in settings.splits}, spec.examples_per_shard)
+        plan = part_plan(plan, settings.part)
         writer = CacheWriter(out, spec, rank=rank, world_size=world_size)
         summary = {"out": str(out), "rank": rank, "world_size": world_size, "shards_planned": len(plan),
                    "layers": list(spec.layers), "already_complete": writer.already_complete}

@@ -49,10 +49,14 @@ WHEEL_MODELS: dict[str, WheelModel] = {
 }
 
 
+def c2kd_home() -> Path:
+    """c2kd's own files on this machine: $C2KD_HOME, default ~/.cache/c2kd."""
+    return Path(os.environ.get("C2KD_HOME") or Path.home() / ".cache" / "c2kd").expanduser()
+
+
 def model_store() -> Path:
-    """Folder of converted models: $C2KD_HOME/models (default ~/.cache/c2kd/models)."""
-    home = os.environ.get("C2KD_HOME") or Path.home() / ".cache" / "c2kd"
-    return Path(home).expanduser() / "models"
+    """Folder of converted models: $C2KD_HOME/models."""
+    return c2kd_home() / "models"
 
 
 def _package_dir(package: str, model: WheelModel) -> Path:

@@ -35,6 +35,7 @@ from c2kd.evaluate import RecLMEvaluator
 from c2kd.pipeline.examples import ExampleSet, load_examples
 from c2kd.recmodel.build import build_model, check_source
 from c2kd.recmodel.model import RecLM
+from c2kd.recmodel.pretrained import c2kd_home
 from c2kd.run_folder import check_or_write_recipe, claim, finished_run
 from c2kd.student.c2kd_modules import LayerFilters, parse_router, uniform_layer_map
 from c2kd.student.cache_batches import CacheBatches
@@ -141,18 +142,23 @@ def distill(
     train_config: dict | None = None,
     overwrite: bool = False,
     keep_checkpoints: bool = False,
+    read_cache: str | Path | None = None,
 ) -> dict:
     """Distil a student from a teacher cache and save it at `out`; returns `out/distill.json`.
 
     `train_config`: TrainConfig fields for stage 2 (all but out_dir). Re-running after an
-    interruption with the same arguments resumes."""
+    interruption with the same arguments resumes. A cache at a URL is read through a local read
+    cache (`read_cache`, default $C2KD_HOME/remote-caches): every file is fetched once."""
     wall = time.perf_counter()
     out, work = claim(out)
     config = TrainConfig(out_dir=work / "stage2", **(train_config or {}))
     examples = data if isinstance(data, ExampleSet) else load_examples(data)
 
     # Refusals before anything is trained or written: cache schema, integrity and fit, data, layers.
-    teacher_cache = TeacherCache.open(cache, expect={"splits": ["train"], "data_fingerprint": examples.fingerprint})
+    if read_cache is None and "://" in str(cache):
+        read_cache = c2kd_home() / "remote-caches"
+    teacher_cache = TeacherCache.open(cache, expect={"splits": ["train"], "data_fingerprint": examples.fingerprint},
+                                      read_cache=read_cache)
     spec = teacher_cache.spec
     recipe_record = {"recipe": "distill", **asdict(recipe), "train": comparable_config(config), "cache": str(cache),
                      "cache_digest": teacher_cache.digest, "data_fingerprint": examples.fingerprint}
