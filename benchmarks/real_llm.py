@@ -139,6 +139,16 @@ class Bench:
         )
         subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
+    def head_step(self) -> None:
+        """A student step with the head at the answer positions only ÷ with it everywhere (timed, alone)."""
+        path = self.out / "head_step.json"
+        cmd = [sys.executable, str(Path(__file__).with_name("head_step.py")), "--data", str(self.data), "--sasrec",
+               str(self.sasrec), "--json", str(path), "--families", *self.args.families]
+        self.commands["head_step"] = ["python", "benchmarks/head_step.py", *cmd[3:]]
+        if not path.exists():
+            print("== head_step", flush=True)
+            subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
     def summary(self) -> dict:
         def test_metrics(run: Path, record: str) -> dict:
             r = json.loads((run / record).read_text())
@@ -170,6 +180,8 @@ class Bench:
                 fam["latency"] = json.loads((root / "latency.json").read_text())
             fam["goals"] = goals(result["sasrec"], fam["rows"])
             result["families"][name] = fam
+        if (self.out / "head_step.json").exists():
+            result["head_step"] = json.loads((self.out / "head_step.json").read_text())
         return result
 
     def student_tests(self) -> None:
@@ -228,6 +240,9 @@ def markdown(result: dict) -> str:
             shown = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in value.items() if k != "holds"}
             lines.append(f"| {goal} | {shown} | {value.get('holds', '–')} |")
         lines.append("")
+    for name, h in result.get("head_step", {}).items():
+        lines.append(f"{h['model']}: a student step with the head at the answer positions only takes {h['ratio']:.2f}x "
+                     f"the time of one with the head everywhere (vocabulary {h['vocabulary']:,}, batch {h['batch']}).")
     return "\n".join(lines)
 
 
@@ -250,6 +265,7 @@ def main() -> None:
     bench.student_tests()
     for name in args.families:
         bench.timed(name)
+    bench.head_step()
     result = bench.summary()
     result["seconds_this_run"] = round(time.perf_counter() - started)
     (args.out / "summary.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -176,7 +176,7 @@ def bench_teacher(name: str, teacher_dir: Path, examples: ExampleSet, work: Path
         root = work / f"{name}-{mode_name(mode).replace('/', '_').replace(':', '')}"
         shutil.rmtree(root, ignore_errors=True)
         writers[mode] = CacheWriter(root, mode_spec)
-        writers[mode].write_assets(model.tokenizer, model.lm_head_weight.detach(), model.item_embeddings, teacher_config(model))
+        writers[mode].write_assets(model.tokenizer, model.effective_head_weight(), model.item_embeddings, teacher_config(model))
     for shard in plan.shards:
         rich = runner.records(shard, [rows[i] for i in shard.example_ids])
         for mode, writer in writers.items():
@@ -219,7 +219,7 @@ def bench_teacher(name: str, teacher_dir: Path, examples: ExampleSet, work: Path
             encoded = [encoder.encode(i, rows[i]["history"], rows[i]["candidates"], rows[i]["target"]) for i in chunk]
             t = collate(encoded, encoder.pad_id)
             with torch.inference_mode():
-                live = model(t["input_ids"], t["attention_mask"], t["slot_items"]).logits.float()
+                live = model(t["input_ids"], t["attention_mask"], t["slot_items"]).logits.float()  # head everywhere
             live = batch.at_answers(live)[batch.answer_mask]
             exact = batch.final_hidden.float()[batch.answer_mask] @ head.T
             worst = max(worst, (exact - live).abs().max().item())
@@ -230,7 +230,10 @@ def bench_teacher(name: str, teacher_dir: Path, examples: ExampleSet, work: Path
 
     # 4. reader throughput vs a student step
     cache = TeacherCache.open(writers[MODES[0]].root)
-    order = cache.batch_order(splits[0], 64, seed=0, epoch=0)
+    from c2kd.training import epoch_batches
+
+    ids = cache.split_ids(splits[0])
+    order = [ids[b].tolist() for b in epoch_batches(len(ids), 64, seed=0, epoch=0)]  # the trainer's shuffled order
     start = time.perf_counter()
     for ids_ in order:
         cache.get(ids_)

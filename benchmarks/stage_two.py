@@ -51,7 +51,9 @@ from c2kd.recmodel.presets import ModelPreset
 from c2kd.recmodel.prompts import PromptEncoder, collate, encode_frame
 from c2kd.recmodel.tokenizer import build_word_tokenizer
 from c2kd.student.c2kd_modules import LayerFilters
-from c2kd.student.distill import DistillModel, DistillRecipe, build_student, live_teacher_batch, stage2_reads
+from c2kd.student.distill import DistillRecipe, build_student
+from c2kd.student.objective import DistillModel
+from live_teacher import live_teacher_batch
 
 VARIANTS = ("c2kd-cache", "sft-cache", "c2kd-live")
 
@@ -108,7 +110,7 @@ class Bench:
             student = build_student(recipe, self.cache, seed=0)
             torch.manual_seed(0)
             filters = LayerFilters(spec.layers, spec.hidden_size, student.hidden_size, spec.vocab_size)
-            model = DistillModel(student, recipe, spec, head, filters if recipe.method == "c2kd" else None)
+            model = DistillModel(student, recipe.weights, spec, head, filters if recipe.method == "c2kd" else None)
             model.to(self.device).train()
             self.models[name] = model
             self.optims[name] = torch.optim.AdamW(model.trainable_parameters(), lr=1e-4)
@@ -123,6 +125,12 @@ class Bench:
         return {k: ({l: t.to(self.device) for l, t in v.items()} if isinstance(v, dict) else v.to(self.device))
                 for k, v in b.items()}
 
+    def reads(self, name: str):
+        """What `c2kd distill` reads for this variant: one cache read for a group of batches."""
+        c2kd = name == "c2kd-cache"
+        kw = {"layers": self.cache.spec.layers if c2kd else [], "final_hidden": c2kd, "logits": c2kd}
+        return lambda groups: self.cache.get_batches(groups, **kw)
+
     def block(self, name: str, batches: list[list[int]], read_ahead: bool) -> list[float]:
         """Train steps of one variant on consecutive batches; the time of each step (its cache read,
         or its teacher forward, included). With read_ahead the cache is read as `c2kd distill`
@@ -130,7 +138,7 @@ class Bench:
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         model = self.models[name]
         if name != "c2kd-live":
-            reads = stage2_reads(self.cache, model.recipe, self.cache.spec.layers if name == "c2kd-cache" else [])
+            reads = self.reads(name)
             size = self.group if read_ahead else 1
             groups = [batches[i : i + size] for i in range(0, len(batches), size)]
             futures = [self.pool.submit(reads, groups[0])] if read_ahead else []
@@ -145,9 +153,9 @@ class Bench:
                 g, j = divmod(k, self.group)
                 if j == 0 and g + 1 < len(groups):
                     futures.append(self.pool.submit(reads, groups[g + 1]))
-                batch = self._to_device(futures[g].result()[j])
+                batch = futures[g].result()[j].to(self.device)
             else:
-                batch = self._to_device(reads([ids])[0])
+                batch = reads([ids])[0].to(self.device)
             terms = model(batch)
             terms["loss"].backward()
             self.optims[name].step()

@@ -1,0 +1,84 @@
+"""A student training step with the LM head at the answer positions only ÷ with the head everywhere.
+
+    python benchmarks/head_step.py --data DATA --sasrec SASREC --json out.json [--families smollm2 gemma]
+
+The students of benchmarks/real_llm.py (a pretrained family's first K layers, the hybrid item
+head, the vocabulary frozen but for the added tokens): one AdamW step on the same batch of 32
+`ids` training examples, with the loss from `RecLM.forward(labels=...)` (the head at the 2 answer
+positions of each prompt) and from the head applied at every position followed by the same
+cross-entropy (what a Hugging Face causal LM computes). Both give the same loss (checked). The
+two variants alternate in blocks, one thread, medians of the timed steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from c2kd.pipeline.examples import load_examples
+from c2kd.pipeline.sasrec import load_item_embeddings
+from c2kd.recmodel.build import build_model
+from c2kd.recmodel.prompts import PromptEncoder, answer_mask, collate, encode_frame
+
+FAMILIES = {"smollm2": ("smollm2-135m", "first:3"), "gemma": ("gemma3-270m", "first:2")}
+
+
+def head_everywhere_loss(model, batch: dict) -> torch.Tensor:
+    logits = model(batch["input_ids"], batch["attention_mask"], batch["slot_items"]).logits  # [B, T, V]
+    mask = answer_mask(batch["labels"])
+    targets = batch["labels"][:, 1:][mask[:, :-1]]
+    return F.cross_entropy(logits[mask].float(), targets)
+
+
+def measure(alias: str, shrink: str, data: Path, sasrec: Path, steps: int, blocks: int) -> dict:
+    examples = load_examples(data)
+    model = build_model(alias, fmt="ids", item_embeddings=load_item_embeddings(sasrec), seed=0, shrink=shrink,
+                        data_fingerprint=examples.fingerprint, preset_tokenizer=lambda: None)
+    encoder = PromptEncoder(model.tokenizer, "ids", examples.titles())
+    batch = collate(encode_frame(encoder, examples.split("train").head(32)), encoder.pad_id)
+    model.train()
+    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    variants = {"answer positions only": lambda: model(**batch).loss,
+                "head everywhere": lambda: head_everywhere_loss(model, batch)}
+    with torch.no_grad():
+        a, b = (v().item() for v in variants.values())
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for block in range(blocks + 1):
+        for name, loss_of in variants.items():
+            for _ in range(steps):
+                start = time.perf_counter()
+                loss_of().backward()
+                optim.step()
+                optim.zero_grad(set_to_none=True)
+                if block:  # the first block warms up
+                    times[name].append(time.perf_counter() - start)
+    median = {name: statistics.median(t) for name, t in times.items()}
+    return {"model": model.spec.base, "vocabulary": model.vocab_size, "batch": 32,
+            "loss_answer_only": a, "loss_head_everywhere": b, "median_step_s": median,
+            "ratio": median["answer positions only"] / median["head everywhere"], "steps_timed": len(times["head everywhere"])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", type=Path, required=True)
+    parser.add_argument("--sasrec", type=Path, required=True)
+    parser.add_argument("--json", type=Path, required=True)
+    parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--blocks", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    out = {name: measure(*FAMILIES[name], args.data, args.sasrec, args.steps, args.blocks) for name in args.families}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(out, indent=2) + "\n")
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
