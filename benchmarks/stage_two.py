@@ -110,7 +110,7 @@ class Bench:
             student = build_student(recipe, self.cache, seed=0)
             torch.manual_seed(0)
             filters = LayerFilters(spec.layers, spec.hidden_size, student.hidden_size, spec.vocab_size)
-            model = DistillModel(student, recipe.weights, spec, head, filters if recipe.method == "c2kd" else None)
+            model = DistillModel(student, recipe, spec, head, filters if recipe.method == "c2kd" else None)
             model.to(self.device).train()
             self.models[name] = model
             self.optims[name] = torch.optim.AdamW(model.trainable_parameters(), lr=1e-4)

@@ -432,11 +432,20 @@ def cache_verify_cmd(
         one_line_error(f"bad shard(s): {', '.join(report.bad_shards)}")
     raise typer.Exit(code=1)
 
-def _transfer_progress(label: str):
+def _transfer(label: str, run, where: str) -> None:
+    """A push or pull with a progress bar (MB/s), then one line saying what moved."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
-    return Progress(TextColumn(f"[bold]{label}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                    TimeRemainingColumn(), transient=True)
+    with reporting_errors(), Progress(TextColumn(f"[bold]{label}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                                      TimeRemainingColumn(), transient=True) as bar:
+        task = bar.add_task(label, total=None)
+        result = run(lambda done, total: bar.update(task, completed=done, total=total))
+    if result["already_there"]:
+        typer.echo(f"{where} already holds this cache (digest {result['digest']})")
+        return
+    moved = result.get("files_sent", result.get("files_fetched")), result.get("bytes_sent", result.get("bytes_fetched"))
+    typer.echo(f"{label}: {moved[0]} files ({_human_bytes(moved[1])}) copied, {result['files_skipped']} already "
+               f"there; digest {result['digest']}")
 
 
 @cache_app.command("push")
@@ -447,14 +456,7 @@ def cache_push_cmd(
     """Copy a cache to object storage, file by file, manifest last; rerun to resume."""
     from c2kd.cache_schema.transfer import push
 
-    with reporting_errors(), _transfer_progress("push") as bar:
-        task = bar.add_task("push", total=None)
-        result = push(cache, url, progress=lambda done, total: bar.update(task, completed=done, total=total))
-    if result["already_there"]:
-        typer.echo(f"{url} already holds this cache (digest {result['digest']})")
-        return
-    typer.echo(f"pushed {cache} to {url}: {result['files_sent']} files sent ({_human_bytes(result['bytes_sent'])}), "
-               f"{result['files_skipped']} already there; digest {result['digest']}")
+    _transfer("push", lambda progress: push(cache, url, progress=progress), url)
 
 
 @cache_app.command("pull")
@@ -466,14 +468,7 @@ def cache_pull_cmd(
     """Copy a cache from a URL, every file checked against the manifest on arrival; rerun to resume."""
     from c2kd.cache_schema.transfer import pull
 
-    with reporting_errors(), _transfer_progress("pull") as bar:
-        task = bar.add_task("pull", total=None)
-        result = pull(url, out, expect=expect, progress=lambda done, total: bar.update(task, completed=done, total=total))
-    if result["already_there"]:
-        typer.echo(f"{out} already holds this cache (digest {result['digest']})")
-        return
-    typer.echo(f"pulled {url} to {out}: {result['files_fetched']} files ({_human_bytes(result['bytes_fetched'])}), "
-               f"{result['files_skipped']} already there; digest {result['digest']}")
+    _transfer("pull", lambda progress: pull(url, out, expect=expect, progress=progress), str(out))
 
 
 @cache_app.command("merge")

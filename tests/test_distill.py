@@ -87,7 +87,7 @@ def _model(cache: TeacherCache, recipe: DistillRecipe, seed=0) -> DistillModel:
     student = build_student(recipe, cache, seed=seed)
     filters = LayerFilters(cache.spec.layers, cache.spec.hidden_size, student.hidden_size, cache.spec.vocab_size)
     layer_map = {1: 3} if recipe.method == "feature-kd" else None
-    return DistillModel(student, recipe.weights, cache.spec, cache.head_weight(),
+    return DistillModel(student, recipe, cache.spec, cache.head_weight(),
                         filters if recipe.method == "c2kd" else None, layer_map).eval()
 
 

@@ -48,20 +48,13 @@ SELECT_METRICS = ("HR@1", "HR@5", "HR@10", "NDCG@5", "NDCG@10", "MRR")
 
 
 @dataclass(frozen=True)
-class DistillRecipe:
-    """What to distil; `TrainConfig` (minus out_dir) says how stage 2 trains."""
+class DistillRecipe(LossWeights):
+    """What to distil: the method and its weights (LossWeights) and the student; `TrainConfig`
+    (minus out_dir) says how stage 2 trains."""
 
-    method: str = "c2kd"
     student: str = "tiny-student"  # a preset, a pretrained alias or folder (with shrink), or a saved RecLM
     shrink: str | None = None  # first:K | narrow:WIDTHxLAYERS
     item_head: str = "auto"  # token | hybrid | auto (hybrid for ids), for a student built here
-    router: str = "top1"  # top1 | soft | fixed:L
-    cross_head: bool = True
-    orth: bool = True
-    w_feat: float = 0.5
-    w_logit: float = 0.5
-    w_orth: float = 0.05
-    tau: float = 1.0
     stage1_epochs: int = 1
     stage1_lr: float = 1e-3
     max_train: int | None = None  # a fixed random subset of the cached train split (CPU runs)
@@ -85,11 +78,6 @@ class DistillRecipe:
                 raise C2KDError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.select_metric not in SELECT_METRICS:
             raise C2KDError(f"--select-metric {self.select_metric!r}: expected one of {', '.join(SELECT_METRICS)}")
-
-    @property
-    def weights(self) -> LossWeights:
-        return LossWeights(self.method, self.router, self.cross_head, self.orth, self.w_feat, self.w_logit,
-                           self.w_orth, self.tau)
 
 
 def build_student(recipe: DistillRecipe, cache: TeacherCache, seed: int) -> RecLM:
@@ -184,7 +172,7 @@ def distill(
         filters, stage1_result = _stage1(recipe, teacher_cache, train_ids, config, student.hidden_size, work)
 
     # Stage 2: each method reads only what it uses (sft: the token ids alone).
-    model = DistillModel(student, recipe.weights, spec, head_weight, filters, layer_map)
+    model = DistillModel(student, recipe, spec, head_weight, filters, layer_map)
     kd = recipe.method in ("c2kd", "logit-kd")
     layers = list(spec.layers) if recipe.method == "c2kd" else sorted(set((layer_map or {}).values()))
     source = CacheBatches(teacher_cache, train_ids, config.batch_size, config.seed, layers=layers, final_hidden=kd,
