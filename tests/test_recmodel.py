@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoTokenizer, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from c2kd.errors import C2KDError, DataError
 from c2kd.recmodel.layers import late_layers
@@ -330,3 +330,25 @@ def test_from_pretrained_local_folder_adds_item_tokens(item_embeddings, tmp_path
     assert torch.isfinite(model(**batch).loss)
     with pytest.raises(C2KDError, match="expected a Hugging Face model folder"):
         RecLM.from_pretrained(tmp_path / "nothing", item_embeddings, "ids")
+
+
+@pytest.mark.parametrize("item_head,frozen", [("token", False), ("hybrid", True)])
+def test_folded_model_takes_plain_token_ids(tokenizer, item_embeddings, tmp_path, item_head, frozen):
+    from c2kd.recmodel.fold import save_folded
+
+    model = RecLM.from_preset("micro", tokenizer, item_embeddings, "ids", seed=7, item_head=item_head)
+    if frozen:
+        model.freeze_vocabulary()
+        with torch.no_grad():
+            model.added.input_rows.add_(torch.randn_like(model.added.input_rows))
+    model.eval()
+    folded = AutoModelForCausalLM.from_pretrained(save_folded(model, tmp_path / "folded")).eval()
+    _, batch = _batch(PromptEncoder(tokenizer, "ids", TITLES))
+    with torch.no_grad():
+        ours = model(batch["input_ids"], batch["attention_mask"], batch["slot_items"], output_hidden_states=True)
+        theirs = folded(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True)
+    mask = batch["attention_mask"].bool()
+    for layer in range(model.num_layers + 1):
+        torch.testing.assert_close(theirs.hidden_states[layer][mask], ours.hidden_states[layer][mask], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(theirs.logits[mask], ours.logits[mask], atol=1e-4, rtol=1e-4)
+    assert not folded.config.tie_word_embeddings
