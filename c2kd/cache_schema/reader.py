@@ -213,7 +213,7 @@ class TeacherCache:
                 self._checked.add(shard)
                 self._check_shard(shard, entry)
             try:
-                arr = open_array(self.location.zarr_store(rel), name)
+                arr = open_array(self.location.zarr_store(rel, files=entry["files"]), name)
             except _DECODE_ERRORS as e:
                 raise CacheError(f"{self.location}/{rel}: array {name} cannot be opened ({e}); run `c2kd cache verify`") from e
             rows = {"tokens": entry["tokens"], "answers": entry["answers"], "examples": entry["examples"]}

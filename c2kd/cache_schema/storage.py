@@ -12,6 +12,7 @@ import fsspec
 from zarr.abc.store import OffsetByteRequest, RangeByteRequest, SuffixByteRequest
 from zarr.storage import FsspecStore, LocalStore, WrapperStore
 
+from c2kd.atomic import write_bytes
 from c2kd.cache_schema.schema import MANIFEST
 from c2kd.errors import CacheError
 
@@ -94,10 +95,11 @@ class CacheLocation:
     """The root of a cache: file reads, shard stores and (for local roots) the path itself.
 
     A URL is read through fsspec; with `read_cache` (a local folder) each remote file is fetched
-    whole once and every later read, ranged or not, is served from the local copy (fsspec's
-    file cache), so training over many epochs downloads the cache once. The copies live in a
-    subfolder named after the cache's digest (`use_digest`, once the manifest, which is always
-    read fresh, is known), so a cache replaced at the same URL is never mixed with the old one.
+    whole once and every later read, ranged or not, is served from the local copy, so training
+    over many epochs downloads the cache once. The copies live in a subfolder named after the
+    cache's digest (`use_digest`, once the manifest, which is always read fresh, is known), so a
+    cache replaced at the same URL is never mixed with the old one; each copy is checked like a
+    local file (sizes and checksums on first touch, crc32c on every chunk).
     Nothing is ever written to the remote. Holds no open handles when pickled, so it can travel
     to DataLoader workers.
     """
@@ -117,13 +119,12 @@ class CacheLocation:
             self.local_root = Path(text).expanduser().resolve()
             self.url = str(self.local_root)
         self._fs: Any = None
-        self._cached_fs: Any = None
         self._fs_root = ""
         self._fs_pid = -1
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state["_fs"], state["_fs_pid"], state["_cached_fs"] = None, -1, None
+        state["_fs"], state["_fs_pid"] = None, -1
         return state
 
     def __str__(self) -> str:
@@ -140,35 +141,24 @@ class CacheLocation:
             except (ImportError, ValueError) as e:  # unknown protocol, or its fsspec backend not installed
                 raise CacheError(f"{self.url}: cannot read this URL scheme ({e})") from None
             self._fs, self._fs_pid = fs, os.getpid()
-            self._cached_fs = None
         return self._fs, self._fs_root
 
     def use_digest(self, digest: str) -> None:
         """Keep fetched files under read_cache/<digest> (a no-op without a read cache)."""
-        self._digest, self._cached_fs = digest, None
+        self._digest = digest
 
-    def _reading_fs(self, rel: str) -> Any:
-        """The file cache for a remote cache's files once its digest is known; else the remote."""
-        fs, _ = self._filesystem()
-        if self.read_cache is None or self._digest is None or rel == MANIFEST:  # the manifest: always fresh
-            return fs
-        if self._cached_fs is None:
-            folder = self.read_cache / self._digest
-            folder.mkdir(parents=True, exist_ok=True)
-            protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-            self._cached_fs = fsspec.filesystem("filecache", target_protocol=protocol,
-                                                target_options=self.storage_options, cache_storage=str(folder),
-                                                check_files=False, expiry_time=False, skip_instance_cache=True)
-        return self._cached_fs
+    @property
+    def _cache_root(self) -> Path | None:
+        """Where fetched files are kept: read_cache/<digest>, once the digest is known."""
+        if self.local_root is not None or self.read_cache is None or self._digest is None:
+            return None
+        return self.read_cache / self._digest
 
     def _remote(self, rel: str) -> tuple[Any, str]:
-        _, root = self._filesystem()
-        return self._reading_fs(rel), f"{root.rstrip('/')}/{rel}"
+        fs, root = self._filesystem()
+        return fs, f"{root.rstrip('/')}/{rel}"
 
-    def read_bytes(self, rel: str) -> bytes:
-        """The whole file at `rel` (raises FileNotFoundError when absent)."""
-        if self.local_root is not None:
-            return (self.local_root / rel).read_bytes()
+    def _fetch(self, rel: str) -> bytes:
         fs, path = self._remote(rel)
         try:
             return fs.cat_file(path)
@@ -176,6 +166,23 @@ class CacheLocation:
             raise
         except OSError as e:
             raise CacheError(f"{self.url}/{rel}: cannot be read ({e})") from None
+
+    def kept(self, rel: str, size: int | None = None) -> Path:
+        """The local copy of a remote file in the read cache, fetched whole the first time."""
+        path = self._cache_root / rel
+        if not (path.is_file() and (size is None or path.stat().st_size == size)):
+            data = self._fetch(rel)
+            write_bytes(path, data)
+        return path
+
+    def read_bytes(self, rel: str) -> bytes:
+        """The whole file at `rel` (raises FileNotFoundError when absent); the manifest is always
+        read fresh, other files of a remote cache through the read cache when there is one."""
+        if self.local_root is not None:
+            return (self.local_root / rel).read_bytes()
+        if self._cache_root is not None and rel != MANIFEST:
+            return self.kept(rel).read_bytes()
+        return self._fetch(rel)
 
     def iter_bytes(self, rel: str) -> Iterator[bytes]:
         """The file at `rel` in blocks (whole-object GETs for URLs: not every server honours Range)."""
@@ -192,15 +199,16 @@ class CacheLocation:
         fs, path = self._remote(rel)
         return int(fs.size(path))
 
-    def zarr_store(self, rel: str) -> Any:
-        """A read-only Zarr store rooted at the folder `rel`."""
+    def zarr_store(self, rel: str, files: list | None = None) -> Any:
+        """A read-only Zarr store rooted at the folder `rel`. For a remote cache with a read cache
+        and the folder's `files` ([path, size, ...] entries), the files are fetched whole once and
+        read locally from then on."""
         if self.local_root is not None:
             return LocalStore(self.local_root / rel, read_only=True)
-        if self.read_cache is not None and self._digest is not None:
-            from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
-
-            fs, path = self._remote(rel)
-            return FsspecStore(AsyncFileSystemWrapper(fs), read_only=True, path=path)
+        if self._cache_root is not None and files is not None:
+            for frel, size, *_ in files:
+                self.kept(f"{rel}/{frel}", int(size))
+            return LocalStore(self._cache_root / rel, read_only=True)
         try:
             inner = FsspecStore.from_url(f"{self.url}/{rel}", storage_options=self.storage_options, read_only=True)
         except (ImportError, ValueError) as e:
