@@ -109,7 +109,8 @@ def main() -> None:
     size = sum(p.stat().st_size for p in cache.rglob("*") if p.is_file() and "journal" not in p.parts)
     result: dict = {"cache_bytes": size, "servers": {}}
     for name, ranges in (("http.server (no Range)", False), ("with Range", True)):
-        shutil.rmtree(work / f"read-cache-{int(ranges)}", ignore_errors=True)  # a cold read cache
+        for stale in (f"read-cache-{int(ranges)}", f"student-{int(ranges)}", f"student-{int(ranges)}.partial"):
+            shutil.rmtree(work / stale, ignore_errors=True)  # a cold read cache, a fresh run
         server, base = serve(work / "site", ranges)
         url = f"{base}/cache"
         row = {}

@@ -148,7 +148,8 @@ def distill(
     teacher_cache = TeacherCache.open(cache, expect={"splits": ["train"], "data_fingerprint": examples.fingerprint},
                                       read_cache=read_cache)
     spec = teacher_cache.spec
-    recipe_record = {"recipe": "distill", **asdict(recipe), "train": comparable_config(config), "cache": str(cache),
+    # the cache by its identity, not its path: a moved or re-served cache is the same cache
+    recipe_record = {"recipe": "distill", **asdict(recipe), "train": comparable_config(config),
                      "cache_digest": teacher_cache.digest, "data_fingerprint": examples.fingerprint}
     finished = finished_run(out, recipe_record, "distill.json", overwrite)
     if finished is not None:
