@@ -12,6 +12,8 @@ import time
 
 import pytest
 
+from c2kd.errors import CacheError
+
 from c2kd.cache_schema import CacheWriter, TeacherCache, content_digest, plan_shards, verify_cache
 from synthetic_cache import (
     synthetic_examples,
@@ -126,3 +128,16 @@ def test_seal_refuses_missing_shards_and_resume_with_another_world_size(tmp_path
         CacheWriter(root, SPEC, rank=0, world_size=2).seal(PLAN)
     write_synthetic_cache(root, SPEC, PLAN)  # one process finishes the odd shards
     assert content_digest(root) == reference[1]
+
+
+def test_a_damaged_journal_line_that_is_not_the_torn_last_one_is_an_error(tmp_path):
+    root = tmp_path / "c"
+    writer = CacheWriter(root, SPEC)
+    write_synthetic_assets(writer)
+    for shard in PLAN.shards[:3]:
+        writer.write_shard(shard.shard_id, _records(shard))
+    journal = root / "journal" / "rank-0.jsonl"
+    lines = journal.read_text().splitlines(keepends=True)
+    journal.write_text(lines[0] + "{not json\n" + "".join(lines[2:]))  # a middle line damaged, ends in a newline
+    with pytest.raises(CacheError, match="line 2 is not a journal entry"):
+        CacheWriter(root, SPEC)
