@@ -7,14 +7,10 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 import time
+from pathlib import Path
 
 import pytest
-
-from c2kd.errors import CacheError
-
-from c2kd.cache_schema import CacheWriter, TeacherCache, content_digest, plan_shards, verify_cache
 from synthetic_cache import (
     synthetic_examples,
     synthetic_record,
@@ -22,6 +18,9 @@ from synthetic_cache import (
     write_synthetic_assets,
     write_synthetic_cache,
 )
+
+from c2kd.cache_schema import CacheWriter, TeacherCache, content_digest, plan_shards, verify_cache
+from c2kd.errors import CacheError
 
 N_EXAMPLES, PER_SHARD = 20, 3
 SPEC = synthetic_spec(examples_per_shard=PER_SHARD)
