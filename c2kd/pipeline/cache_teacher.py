@@ -33,7 +33,7 @@ from c2kd.cache_schema.merge import part_plan
 from c2kd.cache_schema.schema import POSITIONS, STORAGE_DTYPES, Compression, LogitsPolicy, parse_part
 from c2kd.errors import C2KDError, CacheError
 from c2kd.recmodel import hf
-from c2kd.pipeline.examples import SPLITS, ExampleSet, load_examples
+from c2kd.pipeline.examples import SPLITS, ExampleSet, fixed_subset, load_examples
 from c2kd.pipeline.shard_writers import WRITERS, BatchOutputs, ShardJob, ShardWriter, start_shard_writer, to_records
 from c2kd.recmodel.layers import late_layers
 from c2kd.recmodel.model import RecLM
@@ -53,6 +53,7 @@ class CacheTeacherSettings:
     queue_shards: int = 2  # finished shards waiting for the writer
     writer: str = "process"  # where shards are written: a background process, or a thread
     part: str = ""  # "i/n": write part i of n of the cache (on n machines), for `c2kd cache merge`
+    max_examples: int | None = None  # per split, the fixed subset `train-teacher --max-train` trains on
     device: str = "auto"  # auto: cuda:LOCAL_RANK when available, else cpu
     progress: bool = True
 
@@ -71,6 +72,8 @@ class CacheTeacherSettings:
             raise C2KDError(f"--dtype {self.dtype!r}: expected one of {', '.join(STORAGE_DTYPES)}")
         LogitsPolicy.parse(self.logits)
         Compression.parse(self.compression)
+        if self.max_examples is not None and self.max_examples < 1:
+            raise C2KDError(f"--max-examples must be >= 1, got {self.max_examples}")
         for name in ("max_tokens_per_batch", "examples_per_shard", "queue_shards"):
             if getattr(self, name) < 1:
                 raise C2KDError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -257,7 +260,9 @@ def cache_teacher(
             )
         encoder = PromptEncoder(model.tokenizer, model.spec.format, examples.titles())
         spec = build_spec(model, examples, teacher_dir, settings, encoder.pad_id)
-        plan = plan_shards({s: examples.split(s)["example_id"].to_list() for s in settings.splits}, spec.examples_per_shard)
+        ids = {s: examples.split(s)["example_id"].to_numpy() for s in settings.splits}
+        plan = plan_shards({s: v[fixed_subset(len(v), settings.max_examples)].tolist() for s, v in ids.items()},
+                           spec.examples_per_shard)
         plan = part_plan(plan, settings.part)
         writer = CacheWriter(out, spec, rank=rank, world_size=world_size)
         summary = {"out": str(out), "rank": rank, "world_size": world_size, "shards_planned": len(plan),

@@ -78,6 +78,15 @@ class ExampleSet:
         return self.splits[name]
 
 
+def fixed_subset(total: int, size: int | None) -> np.ndarray:
+    """Sorted positions of a fixed random subset of `size` of `total` rows (all rows when size is None
+    or not smaller): the same for every run seed, so runs with different seeds, the teacher and its
+    cache see the same examples."""
+    if size is None or size >= total:
+        return np.arange(total)
+    return np.sort(np.random.default_rng(0).choice(total, size=size, replace=False))
+
+
 def target_indices(frame: pl.DataFrame) -> np.ndarray:
     """Position of the target inside each row's candidate list."""
     cands = np.asarray(frame["candidates"].to_list(), dtype=np.int64)

@@ -22,7 +22,6 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -30,7 +29,7 @@ from c2kd.atomic import write_json
 from c2kd.distributed import dist_env
 from c2kd.errors import C2KDError
 from c2kd.evaluate import RecLMEvaluator
-from c2kd.pipeline.examples import ExampleSet, load_examples
+from c2kd.pipeline.examples import ExampleSet, fixed_subset, load_examples
 from c2kd.pipeline.sasrec import check_fingerprint, load_item_embeddings, read_run_config
 from c2kd.recmodel.build import build_model as build_reclm
 from c2kd.recmodel.build import check_source
@@ -116,14 +115,6 @@ def add_lora(model: RecLM, lora: LoraSettings, seed: int) -> None:
         model.lm = get_peft_model(lm, config)
 
 
-def train_subset(frame, max_train: int | None):
-    """A fixed (seed-independent) random subset, so runs with different seeds see the same data."""
-    if max_train is None or max_train >= frame.height:
-        return frame
-    keep = np.sort(np.random.default_rng(0).choice(frame.height, size=max_train, replace=False))
-    return frame[keep]
-
-
 def answer_loss(model: nn.Module, batch: dict) -> dict[str, torch.Tensor]:
     """Cross-entropy on the answer tokens (the labels of `collate`)."""
     return {"loss": model(**batch).loss}
@@ -161,7 +152,8 @@ def train_teacher(
     if recipe.lora is not None:
         add_lora(model, recipe.lora, config.seed)
     encoder = PromptEncoder(model.tokenizer, recipe.fmt, examples.titles())
-    train_frame = train_subset(examples.split("train"), recipe.max_train)
+    train_frame = examples.split("train")
+    train_frame = train_frame[fixed_subset(train_frame.height, recipe.max_train)]
     train_data: list[EncodedExample] = encode_frame(encoder, train_frame)
     pad_id = encoder.pad_id
     evaluator = RecLMEvaluator(examples, "validation", limit=recipe.max_val, batch_size=recipe.eval_batch_size,

@@ -32,7 +32,7 @@ from c2kd.cache_schema import TeacherCache
 from c2kd.distributed import dist_env
 from c2kd.errors import C2KDError
 from c2kd.evaluate import RecLMEvaluator
-from c2kd.pipeline.examples import ExampleSet, load_examples
+from c2kd.pipeline.examples import ExampleSet, fixed_subset, load_examples
 from c2kd.recmodel.build import build_model, check_source
 from c2kd.recmodel.model import RecLM
 from c2kd.recmodel.pretrained import c2kd_home
@@ -98,13 +98,6 @@ def build_student(recipe: DistillRecipe, cache: TeacherCache, seed: int) -> RecL
     return student
 
 
-def _train_subset(ids: np.ndarray, max_train: int | None) -> np.ndarray:
-    """A fixed (seed-independent) subset, so runs with different seeds see the same examples."""
-    if max_train is None or max_train >= len(ids):
-        return ids
-    return np.sort(ids[np.random.default_rng(0).choice(len(ids), size=max_train, replace=False)])
-
-
 def _stage1(recipe: DistillRecipe, cache: TeacherCache, train_ids: np.ndarray, config: TrainConfig,
             d_s: int, work: Path) -> tuple[LayerFilters, TrainResult | None]:
     """C2KD stage 1: the layer filters g_l on the cached teacher states (the teacher frozen by construction)."""
@@ -166,7 +159,8 @@ def distill(
 
     rank = dist_env()[0]
     check_or_write_recipe(work, recipe_record, rank)  # only once everything could be opened and built
-    train_ids = _train_subset(teacher_cache.split_ids("train"), recipe.max_train)
+    cached = teacher_cache.split_ids("train")
+    train_ids = cached[fixed_subset(len(cached), recipe.max_train)]
 
     filters, stage1_result = (None, None)
     if recipe.method == "c2kd":
