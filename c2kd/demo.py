@@ -43,19 +43,21 @@ class DemoSettings:
     seed: int = 0
     max_train_per_user: int = 3  # train windows per user (the most recent ones)
     sasrec_epochs: int = 30
+    # SmolLM2-135M whole: on 640 examples (20 steps) it reached validation NDCG@10 0.585 where its
+    # first 12 layers reached 0.494 on 1,280 and a 2-layer student 0.487 (first 200 validation users)
     teacher: str = "smollm2-135m"
-    teacher_shrink: str | None = "first:12"  # 12 of its 30 pretrained layers: a teacher trainable in 2 minutes
+    teacher_shrink: str | None = None
     teacher_epochs: int = 1
-    teacher_lr: float = 2e-4
-    teacher_max_train: int | None = 1280
+    teacher_lr: float = 1e-4
+    teacher_max_train: int | None = 640
     student: str = "smollm2-135m"
-    student_shrink: str | None = "first:2"  # 6x fewer non-embedding parameters than the teacher
+    student_shrink: str | None = "first:2"  # 15x fewer non-embedding parameters than the teacher
     student_epochs: int = 3
     student_lr: float = 1e-3
-    student_max_train: int | None = 1280
+    student_max_train: int | None = 640  # the examples the teacher trained on, cached
     max_val: int | None = 200  # validation examples that select the best state
     batch_size: int = 32
-    latency_requests: int = 50
+    latency_requests: int = 30
 
 
 def _step(title: str) -> float:
@@ -87,7 +89,7 @@ def run_demo(out: Path | None = None, settings: DemoSettings = DemoSettings()) -
     train_sasrec(examples, run / "sasrec", SASRecTrainConfig(seed=s.seed, epochs=s.sasrec_epochs), progress=True)
     timings["sasrec"] = time.perf_counter() - t
 
-    t = _step(f"3/7 teacher ({s.teacher} {s.teacher_shrink or ''}, ids format)")
+    t = _step(f"3/7 teacher ({s.teacher}{' ' + s.teacher_shrink if s.teacher_shrink else ''}, ids format)")
     train_teacher(examples, run / "sasrec", run / "teacher",
                   TeacherRecipe(fmt="ids", model=s.teacher, shrink=s.teacher_shrink, max_train=s.teacher_max_train,
                                 max_val=s.max_val),

@@ -9,15 +9,17 @@ from c2kd.demo import DemoSettings, run_demo
 
 @pytest.mark.slow
 def test_demo_runs_every_stage_into_one_folder(tmp_path):
-    settings = DemoSettings(max_train_per_user=1, sasrec_epochs=1, teacher="micro", teacher_epochs=1,
-                            student="micro", student_epochs=1, latency_requests=3)
+    settings = DemoSettings(max_train_per_user=1, sasrec_epochs=1, teacher="tiny-teacher", teacher_shrink=None,
+                            teacher_epochs=1, teacher_max_train=64, student="micro", student_shrink=None,
+                            student_epochs=1, student_max_train=64, max_val=16, latency_requests=3)
     run = tmp_path / "demo"
     result = run_demo(run, settings)
 
-    for stage in ("data", "sasrec", "teacher", "cache", "student-sft", "student-c2kd"):
+    for stage in ("data", "sasrec", "teacher", "cache", "student-sft", "student-c2kd", "student-onnx"):
         assert (run / stage).is_dir(), stage
     saved = json.loads((run / "results.json").read_text())
-    assert saved["results"].keys() == {"SASRec", "teacher", "SFT student", "C2KD student"}
+    assert saved["results"].keys() == {"SASRec", "teacher", "student alone (SFT)", "C2KD student"}
+    assert "share_recovered_by_c2kd" in saved["gap"]
     for name, row in result["results"].items():
         assert 0.0 <= row["HR@1"] <= row["NDCG@10"] <= 1.0, name
         assert row["latency_ms"] > 0, name
