@@ -1,0 +1,119 @@
+"""Stage one on vLLM against transformers: the same arrays, and examples/s side by side.
+
+    $(bash scripts/setup_vllm.sh) benchmarks/vllm_stage_one.py --work runs/bench/vllm --json runs/bench/vllm_stage_one.json
+
+Runs in the vLLM environment (scripts/setup_vllm.sh prints its python). For a random tiny-teacher
+and for SmolLM2-135M (pretrained body, its own tokenizer plus the item tokens), in `ids` and in
+`llara`: the validation and test examples are cached by both backends (all positions, bfloat16,
+top-20 logits) and compared array by array — the largest difference per array, and how many
+top-k indices differ (ties and rounding can swap neighbours). Then, `ids` only, cache-teacher's
+examples/s with each backend, alternating, one thread (engine start-up excluded: `loop_seconds`),
+and with vLLM the writer's overhead (cache-teacher ÷ the bare vLLM forward of the same batches).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def teachers(work: Path, examples, sasrec: Path) -> dict[str, dict[str, Path]]:
+    """{name: {format: saved teacher}}: a random tiny-teacher and SmolLM2-135M, in ids and llara."""
+    from c2kd.pipeline.sasrec import load_item_embeddings
+    from c2kd.recmodel.model import RecLM
+    from c2kd.recmodel.tokenizer import build_word_tokenizer
+
+    out: dict = {"tiny-teacher": {}, "smollm2-135m": {}}
+    emb = load_item_embeddings(sasrec)
+    for fmt in ("ids", "llara"):
+        folder = work / f"tiny-{fmt}"
+        if not folder.exists():
+            tokenizer = build_word_tokenizer(examples.titles()[1:], examples.num_items)
+            RecLM.from_preset("tiny-teacher", tokenizer, emb, fmt, seed=0, data_fingerprint=examples.fingerprint).save(folder)
+        out["tiny-teacher"][fmt] = folder
+        folder = work / f"smollm2-{fmt}"
+        if not folder.exists():
+            RecLM.from_pretrained("smollm2-135m", emb, fmt, data_fingerprint=examples.fingerprint).save(folder)
+        out["smollm2-135m"][fmt] = folder
+    return out
+
+
+def compare(a, b) -> dict:
+    ids = a.index["example_id"].to_list()
+    diffs: dict = {}
+    for start in range(0, len(ids), 64):
+        x, y = a.get(ids[start : start + 64]), b.get(ids[start : start + 64])
+        assert torch.equal(x.input_ids, y.input_ids) and torch.equal(x.answer_positions, y.answer_positions)
+        rows, answers = x.hidden_mask, x.answer_mask
+        pairs = {f"layer {l}": (x.hidden[l][rows], y.hidden[l][rows]) for l in a.layers}
+        pairs["final_hidden"] = (x.final_hidden[answers], y.final_hidden[answers])
+        pairs["topk_values"] = (x.topk_values[answers], y.topk_values[answers])
+        for name, (u, v) in pairs.items():
+            diffs[name] = max(diffs.get(name, 0.0), (u.float() - v.float()).abs().max().item())
+        differ = (x.topk_indices[answers] != y.topk_indices[answers]).sum().item()
+        diffs["topk_indices_differing"] = diffs.get("topk_indices_differing", 0) + differ
+        diffs["topk_indices_total"] = diffs.get("topk_indices_total", 0) + x.topk_indices[answers].numel()
+    return diffs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work", type=Path, default=Path("runs/bench/vllm"))
+    parser.add_argument("--json", type=Path, required=True)
+    parser.add_argument("--speed-examples", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    from c2kd.cache_schema import TeacherCache
+    from c2kd.pipeline.cache_teacher import CacheTeacherSettings, cache_teacher
+    from c2kd.pipeline.examples import load_examples
+    from c2kd.pipeline.prepare import prepare
+    from c2kd.pipeline.sasrec import SASRecTrainConfig, train_sasrec
+
+    work = args.work
+    work.mkdir(parents=True, exist_ok=True)
+    data, sasrec = work / "data", work / "sasrec"
+    if not data.exists():
+        prepare("movielens-100k", data, max_train_per_user=5)
+    examples = load_examples(data)
+    if not sasrec.exists():
+        train_sasrec(examples, sasrec, SASRecTrainConfig(epochs=20))
+    result: dict = {"equivalence": {}, "speed": {}}
+    for name, formats in teachers(work, examples, sasrec).items():
+        for fmt, teacher in formats.items():
+            caches = {}
+            for backend in ("transformers", "vllm"):
+                out = work / f"eq-{name}-{fmt}-{backend}"
+                cache_teacher(teacher, examples, out, CacheTeacherSettings(
+                    splits=("validation", "test"), logits="topk:20", backend=backend, writer="thread", progress=False))
+                caches[backend] = TeacherCache.open(out)
+            result["equivalence"][f"{name} {fmt}"] = compare(caches["transformers"], caches["vllm"])
+            print(name, fmt, result["equivalence"][f"{name} {fmt}"], flush=True)
+        speed: dict = {"transformers": [], "vllm": [], "vllm bare forward": []}
+        for repeat in range(args.repeats):
+            for backend in ("transformers", "vllm"):
+                out = work / f"speed-{name}-{backend}-{repeat}"
+                summary = cache_teacher(formats["ids"], examples, out, CacheTeacherSettings(
+                    splits=("train",), max_examples=args.speed_examples, backend=backend, progress=False))
+                speed[backend].append(summary["examples"] / summary["loop_seconds"])
+                if backend == "vllm":  # the same batches through the engine, nothing written
+                    speed["vllm bare forward"].append(summary["examples"] / summary["forward_seconds"])
+        result["speed"][name] = {
+            "examples_per_s": speed,
+            "vllm / transformers": max(speed["vllm"]) / max(speed["transformers"]),
+            "vllm writer overhead (cache-teacher / bare forward)": max(speed["vllm"]) / max(speed["vllm bare forward"]),
+        }
+        print(name, result["speed"][name], flush=True)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
