@@ -12,6 +12,7 @@ import typer
 from c2kd.atomic import write_json
 from c2kd.cli_util import reporting_errors
 from c2kd.errors import C2KDError
+from c2kd.training import TrainConfig  # its defaults are the training options' defaults
 
 app = typer.Typer(help="c2kd: distil an LLM recommender into a small on-device one (C2KD).", no_args_is_help=True)
 cache_app = typer.Typer(help="Inspect, check and share teacher caches.", no_args_is_help=True)
@@ -157,7 +158,7 @@ def evaluate_cmd(
 
 
 def _evaluate_reclm(model: Path, data: Path, split: str) -> dict:
-    # Recommender-LM runs are evaluated by the student package (ranking + generation protocol).
+    # ranking of the candidates, and the generation protocol for llara
     from c2kd.evaluate import evaluate_reclm
 
     return evaluate_reclm(model, data, split)
@@ -195,8 +196,6 @@ def _opt(flag: str, text: str, cls: type | None = None, name: str | None = None,
         text += f" [default: {_default(cls, name or flag.lstrip('-').replace('-', '_'))}]"
     return typer.Option(flag, help=text, show_default=False, **kw)
 
-
-from c2kd.training import TrainConfig  # noqa: E402  (light: torch is imported by the commands anyway)
 
 Epochs = Annotated[Optional[int], _opt("--epochs", "Epochs over the train split.", TrainConfig)]
 MaxSteps = Annotated[Optional[int], _opt("--max-steps", "Optimizer steps to run (overrides --epochs).")]
