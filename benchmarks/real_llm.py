@@ -26,11 +26,16 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from c2kd.student.c2kd_modules import uniform_layer_map
+
 FAMILIES = {
-    # name: alias, layers the student keeps (>= 8x fewer non-embedding parameters), seeds
-    "smollm2": {"alias": "smollm2-135m", "keep": 3, "seeds": [0, 1, 2]},
-    "gemma": {"alias": "gemma3-270m", "keep": 2, "seeds": [0]},
+    # name: alias, teacher layers, layers the student keeps (>= 8x fewer non-embedding parameters),
+    # seeds, teacher epochs (SmolLM2's best validation came after epoch 1 of 2; Gemma gets one)
+    "smollm2": {"alias": "smollm2-135m", "layers": 30, "keep": 3, "seeds": [0, 1, 2], "teacher_epochs": 2},
+    "gemma": {"alias": "gemma3-270m", "layers": 18, "keep": 2, "seeds": [0], "teacher_epochs": 1},
 }
+# Cheap seeds first, so a run cut short still has every family: SmolLM2 seeds 0-1, Gemma, SmolLM2 seed 2.
+SCHEDULE = (("smollm2", 2), ("gemma", 1), ("smollm2", 3))
 METHODS = {
     "SFT from cache": ["--method", "sft"],
     "logit KD": ["--method", "logit-kd"],
@@ -82,7 +87,7 @@ class Bench:
             run = self.out / f"sasrec-s{seed}"
             self.step(f"sasrec-s{seed}", run, ["train-sasrec", "--data", str(self.data), "--out", str(run), "--seed", str(seed)])
 
-    def family(self, name: str) -> None:
+    def family(self, name: str, num_seeds: int) -> None:
         a, fam = self.args, FAMILIES[name]
         root, alias, keep = self.out / name, fam["alias"], f"first:{fam['keep']}"
         root.mkdir(parents=True, exist_ok=True)
@@ -90,7 +95,7 @@ class Bench:
         common = ["--data", str(self.data), "--format", "ids", "--item-head", "hybrid", "--no-progress", *quick]
         self.step(f"{name}/teacher", root / "teacher", [
             "train-teacher", *common, "--sasrec", str(self.sasrec), "--out", str(root / "teacher"), "--model", alias,
-            "--lr", str(a.teacher_lr), "--epochs", str(1 if a.quick else a.teacher_epochs), "--batch-size", "32",
+            "--lr", str(a.teacher_lr), "--epochs", str(1 if a.quick else a.teacher_epochs or fam["teacher_epochs"]), "--batch-size", "32",
             "--checkpoint-every", "25"])
         self.step(f"{name}/teacher-test", root / "teacher-test.json", [
             "evaluate", "--model", str(root / "teacher"), "--data", str(self.data), "--split", "test",
@@ -98,17 +103,25 @@ class Bench:
         self.step(f"{name}/cache", root / "cache" / "manifest.json", [
             "cache-teacher", "--teacher", str(root / "teacher"), "--data", str(self.data), "--out", str(root / "cache"),
             "--splits", "train", "--no-progress"])
+        # Feature KD pairs student layer i with teacher layer round(i·L_t/L_s): early layers the
+        # default (late-layer) cache does not hold, so they get a cache of their own.
+        uniform = sorted(set(uniform_layer_map(fam["keep"], fam["layers"], range(1, fam["layers"] + 1)).values()))
+        self.step(f"{name}/cache-uniform", root / "cache-uniform" / "manifest.json", [
+            "cache-teacher", "--teacher", str(root / "teacher"), "--data", str(self.data),
+            "--out", str(root / "cache-uniform"), "--splits", "train", "--layers", ",".join(map(str, uniform)),
+            "--no-progress"])
         student = ["--lr", str(a.student_lr), "--epochs", str(1 if a.quick else a.student_epochs), "--batch-size", "32"]
         jobs = []
-        for seed in fam["seeds"][: 1 if a.quick else None]:
+        for seed in fam["seeds"][: 1 if a.quick else num_seeds]:
             run = root / f"student-alone-s{seed}"
             jobs.append((f"{name}/student-alone-s{seed}", run, [
                 "train-teacher", *common, "--sasrec", str(self.sasrec), "--out", str(run), "--model", alias,
                 "--shrink", keep, "--seed", str(seed), *student]))
             for method, flags in METHODS.items():
                 run = root / f"{method.replace(' ', '-')}-s{seed}"
+                cache = root / ("cache-uniform" if method == "feature KD" else "cache")
                 jobs.append((f"{name}/{method}-s{seed}", run, [
-                    "distill", "--cache", str(root / "cache"), "--data", str(self.data), "--out", str(run),
+                    "distill", "--cache", str(cache), "--data", str(self.data), "--out", str(run),
                     "--student", alias, "--shrink", keep, "--item-head", "hybrid", "--seed", str(seed), "--no-progress",
                     *flags, *student, *quick]))
         with ThreadPoolExecutor(max_workers=2) as pool:  # small students: two at a time, one thread each
@@ -251,7 +264,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/bench/real_llm"))
     parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
     parser.add_argument("--teacher-lr", type=float, default=1e-4)
-    parser.add_argument("--teacher-epochs", type=int, default=2)
+    parser.add_argument("--teacher-epochs", type=int, default=None, help="default: the family's (see FAMILIES)")
     parser.add_argument("--student-lr", type=float, default=1e-3)
     parser.add_argument("--student-epochs", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="a smoke run on tiny subsets (the numbers mean nothing)")
@@ -260,8 +273,9 @@ def main() -> None:
     bench = Bench(args)
     started = time.perf_counter()
     bench.data_and_sasrec()
-    for name in args.families:
-        bench.family(name)
+    for name, num_seeds in SCHEDULE:
+        if name in args.families:
+            bench.family(name, num_seeds)
     bench.student_tests()
     for name in args.families:
         bench.timed(name)

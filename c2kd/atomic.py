@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from c2kd.errors import C2KDError
+
 TMP_PREFIX = ".tmp-"  # names being written; readers and listings skip them
 
 
@@ -46,8 +48,6 @@ def fsync_tree(root: Path) -> None:
 
 def check_destination(path: Path) -> None:
     """Refuse, before any work, a destination whose parent cannot hold it (a file in the way)."""
-    from c2kd.errors import C2KDError
-
     for ancestor in Path(path).absolute().parents:
         if ancestor.exists():
             if not ancestor.is_dir():

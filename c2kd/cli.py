@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+
+# Set before anything imports transformers: torchao (installed with the executorch extra, imported
+# by transformers when present) warns about its CUDA-only kernels and enum registrations torch deprecates.
+logging.getLogger("torchao").setLevel(logging.ERROR)
+logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 
 from c2kd.atomic import write_json
 from c2kd.cli_util import reporting_errors
@@ -22,7 +28,6 @@ app.add_typer(cache_app, name="cache")
 @app.callback()
 def _main() -> None:
     """c2kd: distil an LLM recommender into a small on-device one (C2KD)."""
-    import logging
 
     from c2kd.recmodel.hf import quiet_transformers
 
@@ -552,8 +557,8 @@ def distill_cmd(
 def export_cmd(
     model: Path = typer.Option(..., "--model", help="A saved recommender folder (teacher or student, ids format)."),
     data: Path = typer.Option(..., "--data", help="Prepared examples folder it was trained on (its item titles go along)."),
-    out: Path = typer.Option(..., "--out", help="Folder to write: model.onnx + ranker.json."),
-    fmt: str = typer.Option("onnx", "--format", help="onnx (the only one: see the README for ExecuTorch)."),
+    out: Path = typer.Option(..., "--out", help="Folder to write: model.onnx (or model.pte) + ranker.json."),
+    fmt: str = typer.Option("onnx", "--format", help="onnx, or executorch (a .pte for the XNNPACK backend; the executorch extra)."),
     quantize: str = typer.Option("none", "--quantize", help="none or int8 (dynamic quantisation of the weights)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing folder."),
 ) -> None:
@@ -564,12 +569,10 @@ def export_cmd(
     from c2kd.pipeline.examples import load_examples
 
     with reporting_errors():
-        if fmt != "onnx":
-            raise C2KDError(f"--format {fmt!r}: expected onnx (ExecuTorch does not run with this torch; see the README)")
         examples = load_examples(data)
         with warnings.catch_warnings():  # the tracer's notes about Python control flow in the model
             warnings.simplefilter("ignore")
-            folder = export_ranker(model, out, examples.titles(), quantize=quantize, overwrite=overwrite)
+            folder = export_ranker(model, out, examples.titles(), quantize=quantize, overwrite=overwrite, fmt=fmt)
     size = sum(p.stat().st_size for p in folder.iterdir())
     typer.echo(f"exported {model} to {folder} ({_human_bytes(size)}, {quantize} weights)")
 

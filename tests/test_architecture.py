@@ -24,7 +24,8 @@ FORBIDDEN = {
     "c2kd.student": ("c2kd.pipeline.teacher", "c2kd.pipeline.cache_teacher", "c2kd.pipeline.shard_writers",
                      "c2kd.cli", "c2kd.demo"),
     "c2kd.training": ("c2kd.recmodel", "c2kd.pipeline", "c2kd.student", "c2kd.cache_schema", "c2kd.evaluate"),
-    "c2kd.atomic": ("c2kd.",),
+    "c2kd.atomic": tuple(f"c2kd.{m}" for m in ("cache_schema", "recmodel", "pipeline", "student", "training",
+                                                "evaluate", "cli", "demo", "deploy", "metrics", "distributed")),
     "c2kd.errors": ("c2kd.",),
 }
 

@@ -1,4 +1,4 @@
-"""Export to ONNX, rank with onnxruntime alone, and `c2kd recommend`."""
+"""Export to ONNX and ExecuTorch, rank with their runtimes alone, and `c2kd recommend`."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 from c2kd.cli import main
 from c2kd.deploy.export import export_ranker
-from c2kd.deploy.runtime import Ranker
+from c2kd.deploy.runtime import Ranker, RankerError
 from c2kd.evaluate import rank_scores
 from c2kd.pipeline.examples import load_examples
 from c2kd.recmodel.model import RecLM
@@ -73,6 +73,30 @@ def test_exported_scores_equal_pytorch(examples, tmp_path, item_head, frozen):
     assert ranker.spec["vocabulary"] < len(model.tokenizer)  # only the tokens an ids prompt can hold
 
 
+def test_executorch_program_scores_equal_pytorch(examples, tmp_path):
+    model = _model(examples, "hybrid", frozen=True, seed=1)
+    model.save(tmp_path / "model")
+    assert main(["export", "--model", str(tmp_path / "model"), "--data", str(examples.root), "--out",
+                 str(tmp_path / "pte"), "--format", "executorch"]) == 0
+    assert (tmp_path / "pte" / "model.pte").is_file() and not (tmp_path / "pte" / "model.onnx").exists()
+    ranker = Ranker.load(tmp_path / "pte")
+    frame = examples.split("test").head(12)
+    ref = _reference(model, examples, frame)
+    got = np.stack([ranker.scores(h, c) for h, c in zip(frame["history"].to_list(), frame["candidates"].to_list())])
+    assert np.abs(got - ref.candidates.numpy()).max() < 1e-4  # prompts of different lengths: one dynamic graph
+    prompts = [ranker.prompt(h) for h in frame["history"].to_list()[:3]]
+    batched = ranker.catalog_scores(prompts)
+    assert batched.shape[0] == 3 and np.allclose(batched[:, 1:], np.stack([ranker.catalog_scores([p])[0] for p in prompts])[:, 1:], atol=1e-4)
+    with pytest.raises(RankerError, match="at most 512"):
+        ranker.catalog_scores([[1] * 513])
+
+
+def test_executorch_refuses_int8(exported, examples, tmp_path, capsys):
+    assert main(["export", "--model", str(exported / "model"), "--data", str(examples.root), "--out",
+                 str(tmp_path / "q"), "--format", "executorch", "--quantize", "int8"]) == 1
+    assert "int8 for onnx only" in capsys.readouterr().err and not (tmp_path / "q").exists()
+
+
 def test_int8_is_smaller_and_ranks_alike(exported, examples):
     fp32, int8 = Ranker.load(exported / "onnx"), Ranker.load(exported / "int8")
     assert (exported / "int8" / "model.onnx").stat().st_size < (exported / "onnx" / "model.onnx").stat().st_size
@@ -89,7 +113,7 @@ def test_the_runtime_needs_no_pytorch(exported, examples):
     code = textwrap.dedent(f"""
         import sys
         sys.modules["torch"] = None  # importing torch now fails
-        from c2kd.deploy.runtime import Ranker
+        from c2kd.deploy.runtime import Ranker, RankerError
         r = Ranker.load({str(exported / "onnx")!r})
         print(r.recommend({test["history"]}, {test["candidates"]}, top=3))
     """)

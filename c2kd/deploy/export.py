@@ -10,7 +10,9 @@ prompt can hold — the specials, the template words, the item tokens — so a 5
 becomes about 1,700 rows: the file holds the model, not its tokenizer. `ranker.json` says how to
 build a prompt from item ids in that small vocabulary, so the runtime needs no tokenizer and no
 PyTorch (`c2kd.deploy.runtime`). `--quantize int8` quantises the weights (onnxruntime dynamic
-quantisation; activations stay float).
+quantisation; activations stay float). `--format executorch` writes the same graph as an
+ExecuTorch program (`model.pte`, lowered to the XNNPACK backend; needs the `executorch` package,
+the `executorch` extra), for phones and embedded devices.
 
 `llara` models rank by scoring each candidate title token by token through the whole vocabulary;
 they are not exported (the graph would need the full vocabulary and a decoding loop).
@@ -18,6 +20,7 @@ they are not exported (the graph would need the full vocabulary and a decoding l
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -34,9 +37,10 @@ from c2kd.recmodel.templates import IDS_CANDIDATES, IDS_HISTORY, IDS_NEXT
 
 RANKER_KIND = "c2kd-ranker"
 RANKER_VERSION = 1
-MODEL_FILE = "model.onnx"
+MODEL_FILES = {"onnx": "model.onnx", "executorch": "model.pte"}
 RANKER_FILE = "ranker.json"
 QUANTIZE = ("none", "int8")
+MAX_PROMPT, MAX_BATCH = 512, 64  # an exported ExecuTorch graph's dynamic-shape bounds
 
 
 class FoldedRanker(nn.Module):
@@ -93,10 +97,14 @@ def ranker_spec(model: RecLM, titles: list[str]) -> tuple[dict, Tensor]:
 
 
 def export_ranker(model_dir: str | os.PathLike, out: str | os.PathLike, titles: list[str], quantize: str = "none",
-                  overwrite: bool = False) -> Path:
-    """Export a saved `ids` recommender (teacher or student) as an ONNX ranker folder at `out`."""
-    if quantize not in QUANTIZE:
-        raise C2KDError(f"--quantize {quantize!r}: expected one of {', '.join(QUANTIZE)}")
+                  overwrite: bool = False, fmt: str = "onnx") -> Path:
+    """Export a saved `ids` recommender (teacher or student) as a ranker folder at `out`."""
+    if fmt not in MODEL_FILES:
+        raise C2KDError(f"--format {fmt!r}: expected one of {', '.join(MODEL_FILES)}")
+    if quantize not in QUANTIZE or (quantize != "none" and fmt != "onnx"):
+        raise C2KDError(f"--quantize {quantize!r}: expected one of {', '.join(QUANTIZE)} (int8 for onnx only)")
+    if fmt == "executorch" and importlib.util.find_spec("executorch") is None:
+        raise C2KDError("--format executorch needs the executorch package: pip install 'c2kd[executorch]'")
     out = Path(out)
     if out.exists() and not overwrite:
         raise C2KDError(f"{out} already exists; choose another --out or pass --overwrite")
@@ -111,22 +119,43 @@ def export_ranker(model_dir: str | os.PathLike, out: str | os.PathLike, titles: 
     example = torch.tensor([spec["pieces"]["bos"] + spec["pieces"]["history"] + [spec["item_token_offset"]] * 3
                             + spec["pieces"]["next"]], dtype=torch.long)
     with staged_dir(out, replace=overwrite) as tmp:
-        onnx_path = tmp / MODEL_FILE
-        with torch.no_grad():
-            torch.onnx.export(
-                ranker, (example, torch.ones_like(example)), str(onnx_path), input_names=["input_ids", "attention_mask"],
-                output_names=["scores"], dynamic_axes={"input_ids": {0: "batch", 1: "tokens"},
-                                                       "attention_mask": {0: "batch", 1: "tokens"},
-                                                       "scores": {0: "batch"}},
-                opset_version=18, dynamo=False,
-            )
-        if quantize == "int8":
-            from onnxruntime.quantization import QuantType, quantize_dynamic
-
-            quantized = tmp / "model.int8.onnx"
-            quantize_dynamic(str(onnx_path), str(quantized), weight_type=QuantType.QInt8)
-            os.replace(quantized, onnx_path)
-        spec["quantize"] = quantize
-        spec["source"] = str(Path(model_dir).resolve())
+        if fmt == "executorch":
+            _write_pte(ranker, example, tmp / MODEL_FILES[fmt])
+            spec.update(max_prompt=MAX_PROMPT, max_batch=MAX_BATCH)
+        else:
+            _write_onnx(ranker, example, tmp / MODEL_FILES[fmt], quantize)
+        spec.update(quantize=quantize, source=str(Path(model_dir).resolve()), model_file=MODEL_FILES[fmt])
         (tmp / RANKER_FILE).write_text(json.dumps(spec, indent=1))
     return out
+
+
+def _write_onnx(ranker: FoldedRanker, example: Tensor, path: Path, quantize: str) -> None:
+    """The ranker as one ONNX graph (batch and prompt length dynamic); int8: weights quantised."""
+    with torch.no_grad():
+        torch.onnx.export(
+            ranker, (example, torch.ones_like(example)), str(path), input_names=["input_ids", "attention_mask"],
+            output_names=["scores"], dynamic_axes={"input_ids": {0: "batch", 1: "tokens"},
+                                                   "attention_mask": {0: "batch", 1: "tokens"},
+                                                   "scores": {0: "batch"}},
+            opset_version=18, dynamo=False,
+        )
+    if quantize == "int8":
+        from onnxruntime.quantization import QuantType, quantize_dynamic
+
+        quantized = path.with_name("model.int8.onnx")
+        quantize_dynamic(str(path), str(quantized), weight_type=QuantType.QInt8)
+        os.replace(quantized, path)
+
+
+def _write_pte(ranker: FoldedRanker, example: Tensor, path: Path) -> None:
+    """The ranker as an ExecuTorch program for the XNNPACK backend: batches of 1..MAX_BATCH prompts of 2..MAX_PROMPT tokens."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+    from torch.export import Dim, export
+
+    batch, tokens = Dim("batch", min=1, max=MAX_BATCH), Dim("tokens", min=2, max=MAX_PROMPT)
+    example = example.repeat(2, 1)  # a batch of one would be specialised to 1
+    with torch.no_grad():
+        program = export(ranker, (example, torch.ones_like(example)), strict=False,
+                         dynamic_shapes={"input_ids": {0: batch, 1: tokens}, "attention_mask": {0: batch, 1: tokens}})
+    path.write_bytes(to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()]).to_executorch().buffer)

@@ -8,20 +8,20 @@ Prompts are built from item ids exactly as `c2kd.recmodel.prompts` builds an `id
 "history:", the items, "candidates:", the candidates, "next:"), in the exported model's small
 vocabulary (`ranker.json`). The models choose among the candidates in their prompt (that is what
 they were trained and evaluated on), so a recommendation ranks given candidates.
-This module must not import torch: an on-device runtime has no PyTorch.
+An ONNX ranker needs only onnxruntime and numpy: this module imports torch only to run an
+ExecuTorch program through its Python bindings.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 RANKER_KIND = "c2kd-ranker"
-MODEL_FILE = "model.onnx"
 RANKER_FILE = "ranker.json"
 
 
@@ -31,27 +31,22 @@ class RankerError(ValueError):
 
 @dataclass
 class Ranker:
-    session: object  # onnxruntime.InferenceSession
+    run: Callable[[np.ndarray, np.ndarray], np.ndarray]  # (input_ids, attention_mask) -> scores
     spec: dict
     folder: Path
 
     @classmethod
     def load(cls, folder: str | Path, threads: int = 1) -> Ranker:
-        import onnxruntime as ort
-
         folder = Path(folder)
         try:
             spec = json.loads((folder / RANKER_FILE).read_text())
         except (OSError, ValueError):
             raise RankerError(f"{folder}: not an exported ranker (no readable {RANKER_FILE})") from None
-        if spec.get("kind") != RANKER_KIND or not (folder / MODEL_FILE).is_file():
-            raise RankerError(f"{folder}: not an exported ranker ({RANKER_FILE} of kind {RANKER_KIND!r} + {MODEL_FILE})")
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads
-        options.inter_op_num_threads = 1
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")  # no busy-waiting between requests
-        session = ort.InferenceSession(str(folder / MODEL_FILE), options, providers=["CPUExecutionProvider"])
-        return cls(session, spec, folder)
+        model = folder / spec.get("model_file", "model.onnx")
+        if spec.get("kind") != RANKER_KIND or not model.is_file():
+            raise RankerError(f"{folder}: not an exported ranker ({RANKER_FILE} of kind {RANKER_KIND!r} + {model.name})")
+        run = _executorch(model) if model.suffix == ".pte" else _onnxruntime(model, threads)
+        return cls(run, spec, folder)
 
     @property
     def num_items(self) -> int:
@@ -75,12 +70,16 @@ class Ranker:
     def catalog_scores(self, prompts: Sequence[Sequence[int]]) -> np.ndarray:
         """[B, N + 1] scores of every item (column 0, padding, is -inf) for a batch of prompts."""
         width = max(len(p) for p in prompts)
+        if width > self.spec.get("max_prompt", width):
+            raise RankerError(f"a prompt of {width} tokens: this program takes at most {self.spec['max_prompt']}")
+        if len(prompts) > self.spec.get("max_batch", len(prompts)):
+            raise RankerError(f"a batch of {len(prompts)} prompts: this program takes at most {self.spec['max_batch']}")
         ids = np.full((len(prompts), width), int(self.spec["pad_id"]), dtype=np.int64)
         mask = np.zeros((len(prompts), width), dtype=np.int64)
         for row, p in enumerate(prompts):  # left-padded: every prompt ends in the last column
             ids[row, width - len(p):] = p
             mask[row, width - len(p):] = 1
-        (scores,) = self.session.run(["scores"], {"input_ids": ids, "attention_mask": mask})
+        scores = self.run(ids, mask)
         scores[:, 0] = -np.inf
         return scores
 
@@ -93,3 +92,24 @@ class Ranker:
         scores = self.scores(history, candidates)
         order = np.argsort(-scores, kind="stable")[:top]
         return [(int(candidates[k]), float(scores[k])) for k in order]
+
+
+def _onnxruntime(path: Path, threads: int) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")  # no busy-waiting between requests
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return lambda ids, mask: session.run(["scores"], {"input_ids": ids, "attention_mask": mask})[0]
+
+
+def _executorch(path: Path) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
+    """An ExecuTorch program through its Python bindings (they take torch tensors: on a device, its
+    C++ runtime runs the same .pte without Python)."""
+    import torch
+    from executorch.runtime import Runtime
+
+    method = Runtime.get().load_program(str(path)).load_method("forward")
+    return lambda ids, mask: method.execute([torch.from_numpy(ids), torch.from_numpy(mask)])[0].numpy().copy()
