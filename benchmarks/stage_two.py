@@ -3,6 +3,7 @@
     python benchmarks/stage_two.py                        # ML-100k (cap 5), tiny-teacher -> tiny-student
     python benchmarks/stage_two.py --data DIR --teacher RUN_DIR --cache CACHE --json out.json
     python benchmarks/stage_two.py --teacher-shape 576,30,9,1536      # a SmolLM2-135M-shaped teacher
+    python benchmarks/stage_two.py --data D --teacher T --cache C --student smollm2-135m --shrink first:3
 
 Three training steps of the same student on the same batches (forward, backward, AdamW step,
 the cache read or the teacher forward included):
@@ -106,7 +107,8 @@ class Bench:
         head = self.cache.head_weight()
         self.models, self.optims = {}, {}
         for name in variants:
-            recipe = DistillRecipe(method="sft" if name == "sft-cache" else "c2kd", student=args.student)
+            recipe = DistillRecipe(method="sft" if name == "sft-cache" else "c2kd", student=args.student,
+                                   shrink=args.shrink)
             student = build_student(recipe, self.cache, seed=0)
             torch.manual_seed(0)
             filters = LayerFilters(spec.layers, spec.hidden_size, student.hidden_size, spec.vocab_size)
@@ -220,6 +222,7 @@ def main() -> None:
     parser.add_argument("--cache-examples", type=int, default=1024,
                         help="train examples to cache when no --cache is given (the steps sample from them)")
     parser.add_argument("--student", default="tiny-student")
+    parser.add_argument("--shrink", help="with a pretrained --student: first:K | narrow:WIDTHxLAYERS")
     parser.add_argument("--positions", default="all", choices=["all", "answer"])
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--steps", type=int, default=32, help="timed steps per variant")
@@ -253,13 +256,13 @@ def main() -> None:
             cmd = [sys.executable, __file__, "--data", str(data), "--teacher", str(teacher), "--cache", str(cache),
                    "--student", args.student, "--positions", args.positions, "--batch-size", str(args.batch_size),
                    "--steps", str(min(args.steps, 16)), "--block", "16", "--group", str(args.group), "--threads", str(args.threads),
-                   "--device", args.device, "--memory-of", variant]
+                   "--device", args.device, "--memory-of", variant, *(["--shrink", args.shrink] if args.shrink else [])]
             proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
             memory.append(json.loads(proc.stdout.strip().splitlines()[-1]))
         spec = bench.cache.spec
         result = {
             "setup": {"teacher": spec.teacher_description, "teacher_layers": spec.teacher_num_layers,
-                      "teacher_width": spec.hidden_size, "student": args.student,
+                      "teacher_width": spec.hidden_size, "student": args.student, "shrink": args.shrink,
                       "student_non_embedding_parameters": bench.models["sft-cache"].student.non_embedding_parameters(),
                       "cached_layers": list(spec.layers), "positions": spec.positions, "dtype": spec.dtype,
                       "batch_size": args.batch_size, "steps": args.steps, "device": args.device,

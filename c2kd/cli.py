@@ -562,7 +562,7 @@ def export_cmd(
     quantize: str = typer.Option("none", "--quantize", help="none or int8 (dynamic quantisation of the weights)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing folder."),
 ) -> None:
-    """Export a recommender as one ONNX graph that ranks items with onnxruntime alone (no PyTorch)."""
+    """Export a recommender as one graph that ranks items: ONNX (onnxruntime alone, no PyTorch) or ExecuTorch."""
     import warnings
 
     from c2kd.deploy.export import export_ranker
@@ -574,7 +574,9 @@ def export_cmd(
             warnings.simplefilter("ignore")
             folder = export_ranker(model, out, examples.titles(), quantize=quantize, overwrite=overwrite, fmt=fmt)
     size = sum(p.stat().st_size for p in folder.iterdir())
-    typer.echo(f"exported {model} to {folder} ({_human_bytes(size)}, {quantize} weights)")
+    kind = {"onnx": "ONNX", "executorch": "ExecuTorch (XNNPACK)"}[fmt]
+    typer.echo(f"exported {model} to {folder}: {kind}, {_human_bytes(size)}, "
+               f"{'int8' if quantize == 'int8' else 'float32'} weights")
 
 
 @app.command("recommend")

@@ -54,8 +54,9 @@ def sasrec_request(model: SASRec, frame: pl.DataFrame) -> Request:
     return request
 
 
-def interleaved_latency(requests: dict[str, Request], num_requests: int, warmup: int = 5) -> dict[str, float]:
-    """Median milliseconds per request for each named model; requests alternate between models."""
+def interleaved_times(requests: dict[str, Request], num_requests: int, warmup: int = 5) -> dict[str, list[float]]:
+    """Milliseconds of each request for each named model; requests alternate between models (so a
+    change of load on a shared machine hits them all alike)."""
     for i in range(warmup):
         for request in requests.values():
             request(i)
@@ -64,5 +65,10 @@ def interleaved_latency(requests: dict[str, Request], num_requests: int, warmup:
         for name, request in requests.items():
             start = time.perf_counter()
             request(i)
-            times[name].append(time.perf_counter() - start)
-    return {name: 1000.0 * statistics.median(ts) for name, ts in times.items()}
+            times[name].append(1000.0 * (time.perf_counter() - start))
+    return times
+
+
+def interleaved_latency(requests: dict[str, Request], num_requests: int, warmup: int = 5) -> dict[str, float]:
+    """Median milliseconds per request for each named model (see `interleaved_times`)."""
+    return {name: statistics.median(ts) for name, ts in interleaved_times(requests, num_requests, warmup).items()}

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -40,7 +41,9 @@ RANKER_VERSION = 1
 MODEL_FILES = {"onnx": "model.onnx", "executorch": "model.pte"}
 RANKER_FILE = "ranker.json"
 QUANTIZE = ("none", "int8")
-MAX_PROMPT, MAX_BATCH = 512, 64  # an exported ExecuTorch graph's dynamic-shape bounds
+# An ExecuTorch program plans its memory for the largest shapes it accepts: one prompt of up to
+# 512 tokens (a device serves one user at a time; the runtime runs a batch prompt by prompt).
+MAX_PROMPT, MAX_BATCH = 512, 1
 
 
 class FoldedRanker(nn.Module):
@@ -143,19 +146,22 @@ def _write_onnx(ranker: FoldedRanker, example: Tensor, path: Path, quantize: str
         from onnxruntime.quantization import QuantType, quantize_dynamic
 
         quantized = path.with_name("model.int8.onnx")
-        quantize_dynamic(str(path), str(quantized), weight_type=QuantType.QInt8)
+        logging.disable(logging.WARNING)  # its advice to pre-process image models, on the root logger
+        try:
+            quantize_dynamic(str(path), str(quantized), weight_type=QuantType.QInt8)
+        finally:
+            logging.disable(logging.NOTSET)
         os.replace(quantized, path)
 
 
 def _write_pte(ranker: FoldedRanker, example: Tensor, path: Path) -> None:
-    """The ranker as an ExecuTorch program for the XNNPACK backend: batches of 1..MAX_BATCH prompts of 2..MAX_PROMPT tokens."""
+    """The ranker as an ExecuTorch program for the XNNPACK backend: one prompt of 2..MAX_PROMPT tokens."""
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import to_edge_transform_and_lower
     from torch.export import Dim, export
 
-    batch, tokens = Dim("batch", min=1, max=MAX_BATCH), Dim("tokens", min=2, max=MAX_PROMPT)
-    example = example.repeat(2, 1)  # a batch of one would be specialised to 1
+    tokens = Dim("tokens", min=2, max=MAX_PROMPT)
     with torch.no_grad():
         program = export(ranker, (example, torch.ones_like(example)), strict=False,
-                         dynamic_shapes={"input_ids": {0: batch, 1: tokens}, "attention_mask": {0: batch, 1: tokens}})
+                         dynamic_shapes={"input_ids": {1: tokens}, "attention_mask": {1: tokens}})
     path.write_bytes(to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()]).to_executorch().buffer)

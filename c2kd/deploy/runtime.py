@@ -15,7 +15,9 @@ ExecuTorch program through its Python bindings.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+import os
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,8 +74,9 @@ class Ranker:
         width = max(len(p) for p in prompts)
         if width > self.spec.get("max_prompt", width):
             raise RankerError(f"a prompt of {width} tokens: this program takes at most {self.spec['max_prompt']}")
-        if len(prompts) > self.spec.get("max_batch", len(prompts)):
-            raise RankerError(f"a batch of {len(prompts)} prompts: this program takes at most {self.spec['max_batch']}")
+        step = int(self.spec.get("max_batch", len(prompts)))  # a program with a fixed batch runs in chunks
+        if step < len(prompts):
+            return np.concatenate([self.catalog_scores(prompts[i : i + step]) for i in range(0, len(prompts), step)])
         ids = np.full((len(prompts), width), int(self.spec["pad_id"]), dtype=np.int64)
         mask = np.zeros((len(prompts), width), dtype=np.int64)
         for row, p in enumerate(prompts):  # left-padded: every prompt ends in the last column
@@ -111,5 +114,20 @@ def _executorch(path: Path) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
     import torch
     from executorch.runtime import Runtime
 
-    method = Runtime.get().load_program(str(path)).load_method("forward")
+    program = Runtime.get().load_program(str(path))
+    with _stderr_silenced():  # the XNNPACK backend logs its CPU probing (lines about /sys files)
+        method = program.load_method("forward")
     return lambda ids, mask: method.execute([torch.from_numpy(ids), torch.from_numpy(mask)])[0].numpy().copy()
+
+
+@contextmanager
+def _stderr_silenced() -> Iterator[None]:
+    """File descriptor 2 to /dev/null for a while: C++ code writes there directly, not through Python."""
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
