@@ -4,7 +4,7 @@
 
 Runs in the vLLM environment (scripts/setup_vllm.sh prints its python). For a random tiny-teacher
 and for SmolLM2-135M (pretrained body, its own tokenizer plus the item tokens), in `ids` and in
-`llara`: the validation and test examples are cached by both backends (all positions, bfloat16,
+`llara`: the first --eq-examples validation/test examples are cached by both backends (all positions, bfloat16,
 top-20 logits) and compared array by array — the largest difference per array, and how many
 top-k indices differ (ties and rounding can swap neighbours). Then, `ids` only, cache-teacher's
 examples/s with each backend, alternating, one thread (engine start-up excluded: `loop_seconds`),
@@ -67,7 +67,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, default=Path("runs/bench/vllm"))
     parser.add_argument("--json", type=Path, required=True)
-    parser.add_argument("--speed-examples", type=int, default=512)
+    parser.add_argument("--eq-examples", type=int, default=128, help="validation/test examples compared per teacher")
+    parser.add_argument("--speed-examples", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -92,7 +93,8 @@ def main() -> None:
             for backend in ("transformers", "vllm"):
                 out = work / f"eq-{name}-{fmt}-{backend}"
                 cache_teacher(teacher, examples, out, CacheTeacherSettings(
-                    splits=("validation", "test"), logits="topk:20", backend=backend, writer="thread", progress=False))
+                    splits=("validation", "test"), max_examples=args.eq_examples, logits="topk:20", backend=backend,
+                    writer="thread", progress=False))
                 caches[backend] = TeacherCache.open(out)
             result["equivalence"][f"{name} {fmt}"] = compare(caches["transformers"], caches["vllm"])
             print(name, fmt, result["equivalence"][f"{name} {fmt}"], flush=True)

@@ -359,6 +359,8 @@ def write_shards(
                 progress.update(task, advance=len(shard_rows), rate=rate)
     finally:
         background.close()  # waits for the queued shards; re-raises a writer failure
+        if states is not None:
+            states.close()
     return {
         "shards_written": len(todo),
         "shards_skipped": len(plan.owned_by(rank, world_size)) - len(todo),

@@ -132,6 +132,14 @@ class VllmStates:
         except (RuntimeError, ValueError, NotImplementedError) as e:
             raise C2KDError(f"vLLM cannot run this teacher ({type(e).__name__}: {' '.join(str(e).split())[:300]})") from None
 
+    def close(self) -> None:
+        """Shut the engine down and give its memory back (a process may start another one after)."""
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        self.llm.llm_engine.engine_core.shutdown()
+        del self.llm
+        cleanup_dist_env_and_memory()
+
     def _prompt(self, e: EncodedExample) -> dict:
         if not self.embeds:
             return {"prompt_token_ids": list(e.input_ids)}
