@@ -51,12 +51,18 @@ def _journal_lines(root) -> int:
     return sum(len(p.read_text().splitlines()) for p in (root / "journal").glob("rank-*.jsonl")) if (root / "journal").is_dir() else 0
 
 
-def test_resume_after_simulated_crash_leftovers(tmp_path, reference):
-    root = tmp_path / "cache"
+def _partial_cache(root, shards: int) -> CacheWriter:
+    """The assets and the first `shards` shards of the plan, written and journaled; not sealed."""
     writer = CacheWriter(root, SPEC)
     write_synthetic_assets(writer)
-    for shard in PLAN.shards[:2]:
+    for shard in PLAN.shards[:shards]:
         writer.write_shard(shard.shard_id, _records(shard))
+    return writer
+
+
+def test_resume_after_simulated_crash_leftovers(tmp_path, reference):
+    root = tmp_path / "cache"
+    writer = _partial_cache(root, 2)
     # crash leftovers: a half-written temp folder, a shard renamed but not journaled, a torn journal line
     leftover = root / "shards" / ".tmp-shard-00002-tmp999-1"
     (leftover / "input_ids").mkdir(parents=True)
@@ -131,10 +137,7 @@ def test_seal_refuses_missing_shards_and_resume_with_another_world_size(tmp_path
 
 def test_a_damaged_journal_line_that_is_not_the_torn_last_one_is_an_error(tmp_path):
     root = tmp_path / "c"
-    writer = CacheWriter(root, SPEC)
-    write_synthetic_assets(writer)
-    for shard in PLAN.shards[:3]:
-        writer.write_shard(shard.shard_id, _records(shard))
+    _partial_cache(root, 3)
     journal = root / "journal" / "rank-0.jsonl"
     lines = journal.read_text().splitlines(keepends=True)
     journal.write_text(lines[0] + "{not json\n" + "".join(lines[2:]))  # a middle line damaged, ends in a newline

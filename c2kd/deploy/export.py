@@ -30,16 +30,15 @@ import torch
 from torch import Tensor, nn
 
 from c2kd.atomic import staged_dir
+from c2kd.deploy.runtime import RANKER_FILE, RANKER_KIND  # the format's names, defined by its reader
 from c2kd.errors import C2KDError
 from c2kd.recmodel import hf
 from c2kd.recmodel.model import RecLM
 from c2kd.recmodel.prompts import PromptEncoder
 from c2kd.recmodel.templates import IDS_CANDIDATES, IDS_HISTORY, IDS_NEXT
 
-RANKER_KIND = "c2kd-ranker"
 RANKER_VERSION = 1
 MODEL_FILES = {"onnx": "model.onnx", "executorch": "model.pte"}
-RANKER_FILE = "ranker.json"
 QUANTIZE = ("none", "int8")
 # An ExecuTorch program plans its memory for the largest shapes it accepts: one prompt of up to
 # 512 tokens (a device serves one user at a time; the runtime runs a batch prompt by prompt).
