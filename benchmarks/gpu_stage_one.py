@@ -9,7 +9,9 @@ tokenizer's vocabulary plus the item tokens) is saved, and `--examples` train ex
 cached twice, alternating: with the writer process (what `cache-teacher` does) and as a bare
 forward; examples/s of each and their ratio (the writer's overhead with the forward on the GPU,
 where it leaves the CPU to the writer), positions `answer` and `all`. With `--backend vllm` (in
-an environment with vLLM for CUDA) the vLLM backend is timed too. Everything runs from local
+an environment with vLLM for CUDA) the vLLM backend is timed too, both ways it gives the layers
+back: `extract` (vLLM's extract_hidden_states, compiled with CUDA graphs — what `auto` picks for
+this Llama) and `hooks` (eager). Everything runs from local
 files: no download.
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -65,15 +68,17 @@ def main() -> None:
         RecLM(lm, tokenizer, load_item_embeddings(sasrec), "ids", examples.fingerprint, base="Llama-3-8B shape, random",
               item_head="hybrid").save(teacher)
     result: dict = {"gpu": torch.cuda.get_device_name(0), "examples": args.examples, "runs": []}
+    modes = ["cache-teacher", "bare forward"] + (["vllm extract", "vllm hooks"] if args.backend == "vllm" else [])
     for positions in ("answer", "all"):
         for repeat in range(args.repeats):
-            for mode in ("cache-teacher", "bare forward"):
-                out = work / f"cache-{positions}-{repeat}"
+            for mode in modes:
+                out = work / f"cache-{positions}-{mode.replace(' ', '-')}-{repeat}"
+                shutil.rmtree(out, ignore_errors=True)
                 start = time.perf_counter()
-                if mode == "cache-teacher":
+                if mode != "bare forward":  # transformers, or vLLM with its layers through extract / hooks
+                    vllm = {"backend": "vllm", "vllm_states": mode.split()[1]} if mode.startswith("vllm") else {}
                     summary = cache_teacher(teacher, examples, out, CacheTeacherSettings(
-                        splits=("train",), positions=positions, max_examples=args.examples, backend=args.backend,
-                        progress=False))
+                        splits=("train",), positions=positions, max_examples=args.examples, progress=False, **vllm))
                     seconds = summary["loop_seconds"]
                 else:  # the same teacher forward, nothing written
                     model = RecLM.load(teacher, device="cuda").eval()

