@@ -112,7 +112,7 @@ def _install_hooks(worker, layers: list[int]) -> int:
 
 
 def _pop_states(worker) -> dict:
-    """{request id: {key: [tokens, d]}} of the requests run since the last call (rows by position)."""
+    """{vLLM request id: {key: [tokens, d]}} of the requests run since the last call (rows by position)."""
     out = {}
     for rid, keys in worker._c2kd_states.items():
         states = {}
@@ -122,7 +122,7 @@ def _pop_states(worker) -> dict:
             for p, t in chunks:
                 x[p] = t
             states[key] = x
-        out[rid.rsplit("-", 1)[0]] = states  # vLLM appends "-<random>" to the request id
+        out[rid] = states
     worker._c2kd_states.clear()
     return {"states": out}  # dicts and tensors only: vLLM's RPC decoding does not look into tuples
 
@@ -146,8 +146,6 @@ class VllmStates:
         self.embeds = model.spec.format == "llara"
         folder = folded_teacher(model, fingerprint)
         self.mechanism = mechanism or states_mechanism(folder, self.embeds)
-        if self.mechanism not in MECHANISMS:
-            raise C2KDError(f"unknown vLLM states mechanism {self.mechanism!r}: expected one of {', '.join(MECHANISMS)}")
         if self.mechanism == "extract" and self.embeds:
             raise C2KDError("--vllm-states extract takes token-id prompts (format ids); llara's prompt embeddings need hooks")
         # extract: the cached layers plus the last (its norm is the final state), as EAGLE-3 layer ids
@@ -192,16 +190,16 @@ class VllmStates:
     def _collected(self) -> dict[str, dict[str, torch.Tensor]]:
         """{request id: {"final" | "layer<l>": [tokens, d]}} of the prompts just run."""
         if self.mechanism == "hooks":
-            return self.llm.collective_rpc(_pop_states)[0]["states"]
-        from c2kd.pipeline.vllm_connector import pop_states
+            states = self.llm.collective_rpc(_pop_states)[0]["states"]
+        else:
+            from c2kd.pipeline.vllm_connector import pop_states
 
-        norm, dtype = self.model.final_norm, self.model.base_lm().dtype
-        out = {}
-        for rid, x in self.llm.collective_rpc(pop_states)[0]["states"].items():  # x: [tokens, aux layers, d]
-            got = {f"layer{l}": x[:, i] for i, l in enumerate(self.aux)}
-            got["final"] = norm(got[f"layer{self.model.num_layers}"].to(dtype)).float()
-            out[rid] = got
-        return out
+            norm, dtype = self.model.final_norm, self.model.base_lm().dtype
+            states = {}
+            for rid, x in self.llm.collective_rpc(pop_states)[0]["states"].items():  # x: [tokens, aux layers, d]
+                states[rid] = {f"layer{l}": x[:, i] for i, l in enumerate(self.aux)}
+                states[rid]["final"] = norm(states[rid][f"layer{self.model.num_layers}"].to(dtype)).float()
+        return {rid.rsplit("-", 1)[0]: s for rid, s in states.items()}  # vLLM appends "-<random>" to our ids
 
     @torch.inference_mode()
     def __call__(self, examples: Sequence[EncodedExample], layers: Sequence[int]) -> tuple[torch.Tensor, dict]:

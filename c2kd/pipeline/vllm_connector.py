@@ -29,6 +29,15 @@ CONNECTOR = "StatesConnector"
 
 
 @dataclass
+class _Prompt:
+    """Scheduler side: a request whose prompt is not yet all in the cache."""
+
+    length: int
+    blocks: list[int]
+    computed: int  # prompt tokens in the cache before this step
+
+
+@dataclass
 class Ready(KVConnectorMetadata):
     """Requests whose whole prompt is in the hidden-state cache after this step: id -> (length, blocks)."""
 
@@ -40,7 +49,7 @@ class StatesConnector(ExampleHiddenStatesConnector):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._open: dict[str, list] = {}  # scheduler: id -> [prompt length, blocks]
+        self._open: dict[str, _Prompt] = {}  # scheduler side
         self.states: dict[str, torch.Tensor] = {}  # worker: id -> [prompt length, layers, d]
 
     # ---------------------------------------------------------------- scheduler side
@@ -49,20 +58,19 @@ class StatesConnector(ExampleHiddenStatesConnector):
         group, ready = self._cache_kv_group_id, Ready()
         for new in scheduler_output.scheduled_new_reqs:
             length = len(new.prompt_token_ids) if new.prompt_token_ids is not None else len(new.prompt_embeds)
-            self._open[new.req_id] = [length, list(new.block_ids[group]), new.num_computed_tokens]
+            self._open[new.req_id] = _Prompt(length, list(new.block_ids[group]), new.num_computed_tokens)
         cached = scheduler_output.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
-            if rid not in self._open:
+            prompt, blocks = self._open.get(rid), cached.new_block_ids[i]
+            if prompt is None:
                 continue
-            blocks = cached.new_block_ids[i]
-            if blocks is not None:
-                self._open[rid][1] = (list(blocks[group]) if rid in cached.resumed_req_ids
-                                      else self._open[rid][1] + list(blocks[group]))
-            self._open[rid][2] = cached.num_computed_tokens[i]
+            if blocks is not None:  # a resumed (preempted) request starts over in new blocks
+                prompt.blocks = [*([] if rid in cached.resumed_req_ids else prompt.blocks), *blocks[group]]
+            prompt.computed = cached.num_computed_tokens[i]
         for rid, scheduled in scheduler_output.num_scheduled_tokens.items():
-            entry = self._open.get(rid)
-            if entry is not None and entry[2] + scheduled >= entry[0]:
-                ready.requests[rid] = (entry[0], entry[1])
+            prompt = self._open.get(rid)
+            if prompt is not None and prompt.computed + scheduled >= prompt.length:
+                ready.requests[rid] = (prompt.length, prompt.blocks)
                 del self._open[rid]
         return ready
 
@@ -90,9 +98,9 @@ class StatesConnector(ExampleHiddenStatesConnector):
 
 
 def pop_states(worker) -> dict:
-    """In the worker: {request id: [prompt length, layers, d]} gathered since the last call."""
+    """In the worker: {vLLM request id: [prompt length, layers, d]} gathered since the last call."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     connector = get_kv_transfer_group()
     states, connector.states = connector.states, {}
-    return {"states": {rid.rsplit("-", 1)[0]: x for rid, x in states.items()}}
+    return {"states": states}
