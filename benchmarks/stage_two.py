@@ -9,12 +9,13 @@ Three training steps of the same student on the same batches (forward, backward,
 the cache read or the teacher forward included):
     c2kd-cache   C2KD loss, teacher outputs read from the cache (what `c2kd distill` does: 8
                  micro-batches per read, in a background thread, one read ahead)
+    c2kd-items-cache  the same with --kd-over items (the logit losses over the item tokens only)
     sft-cache    L_LM only, token ids read from the cache the same way
     c2kd-live    C2KD loss with the teacher run live on every batch (no cache)
 The variants take turns in blocks of --block steps (so load changes on a shared machine hit all
 of them); the first block of each is warm-up and the first step of every block (nothing read
-ahead yet) is left out. Ratios are of median step times: c2kd-cache / sft-cache and
-c2kd-live / c2kd-cache. --no-read-ahead reads inside the step instead.
+ahead yet) is left out. Ratios are of median step times: c2kd-cache / sft-cache,
+c2kd-items-cache / sft-cache and c2kd-live / c2kd-cache. --no-read-ahead reads inside the step instead.
 
 Peak memory: each variant runs again alone in a fresh process; on a GPU, the peak of
 torch.cuda.max_memory_allocated; on CPU, how far the resident memory (sampled every ms) rises
@@ -56,7 +57,8 @@ from c2kd.student.distill import DistillRecipe, build_student
 from c2kd.student.objective import DistillModel
 from live_teacher import live_teacher_batch
 
-VARIANTS = ("c2kd-cache", "sft-cache", "c2kd-live")
+VARIANTS = ("c2kd-cache", "c2kd-items-cache", "sft-cache", "c2kd-live")
+CACHE_KD = ("c2kd-cache", "c2kd-items-cache")  # read the teacher's states from the cache
 
 
 def prepare_inputs(args, work: Path) -> tuple[Path, Path, Path]:
@@ -108,10 +110,11 @@ class Bench:
         self.models, self.optims = {}, {}
         for name in variants:
             recipe = DistillRecipe(method="sft" if name == "sft-cache" else "c2kd", student=args.student,
-                                   shrink=args.shrink)
+                                   shrink=args.shrink, kd_over="items" if name == "c2kd-items-cache" else "vocab")
             student = build_student(recipe, self.cache, seed=0)
             torch.manual_seed(0)
-            filters = LayerFilters(spec.layers, spec.hidden_size, student.hidden_size, spec.vocab_size)
+            classes = student.spec.num_items if recipe.kd_over == "items" else spec.vocab_size  # stage 1's probe width
+            filters = LayerFilters(spec.layers, spec.hidden_size, student.hidden_size, classes)
             model = DistillModel(student, recipe, spec, head, filters if recipe.method == "c2kd" else None)
             model.to(self.device).train()
             self.models[name] = model
@@ -129,7 +132,7 @@ class Bench:
 
     def reads(self, name: str):
         """What `c2kd distill` reads for this variant: one cache read for a group of batches."""
-        c2kd = name == "c2kd-cache"
+        c2kd = name in CACHE_KD
         kw = {"layers": self.cache.spec.layers if c2kd else [], "final_hidden": c2kd, "logits": c2kd}
         return lambda groups: self.cache.get_batches(groups, **kw)
 
@@ -269,6 +272,7 @@ def main() -> None:
                       "threads": args.threads, "read_ahead": not args.no_read_ahead},
             "median_step_s": median,
             "ratios": {"c2kd_cache_over_sft": median["c2kd-cache"] / median["sft-cache"],
+                       "c2kd_items_cache_over_sft": median["c2kd-items-cache"] / median["sft-cache"],
                        "live_teacher_kd_over_c2kd_cache": median["c2kd-live"] / median["c2kd-cache"]},
             "memory": memory,
         }

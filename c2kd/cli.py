@@ -514,6 +514,7 @@ def distill_cmd(
     w_logit: float = typer.Option(0.5, "--w-logit", help="Weight of the logit loss."),
     w_orth: float = typer.Option(0.05, "--w-orth", help="Weight of the orthogonality loss."),
     tau: float = typer.Option(1.0, "--tau", help="Softmax temperature of the logit losses."),
+    kd_over: str = typer.Option("vocab", "--kd-over", help="Support of the logit losses: vocab (the paper) or items (the item tokens at the item-predicting answer, ids only; far cheaper)."),
     stage1_epochs: int = typer.Option(1, "--stage1-epochs", help="Epochs of stage 1 (layer filters on cached teacher states; c2kd only)."),
     stage1_lr: float = typer.Option(1e-3, "--stage1-lr", help="Learning rate of stage 1."),
     select_metric: str = typer.Option("NDCG@10", "--select-metric", help="Validation metric that picks the best state."),
@@ -534,7 +535,7 @@ def distill_cmd(
     with reporting_errors():
         recipe = DistillRecipe(
             method=method, student=student, shrink=shrink, item_head=item_head, router=router, cross_head=cross_head,
-            orth=orth, w_feat=w_feat, w_logit=w_logit, w_orth=w_orth, tau=tau, stage1_epochs=stage1_epochs,
+            orth=orth, w_feat=w_feat, w_logit=w_logit, w_orth=w_orth, tau=tau, kd_over=kd_over, stage1_epochs=stage1_epochs,
             stage1_lr=stage1_lr, max_train=max_train, max_val=max_val, select_metric=select_metric,
         )
         config = _train_config(epochs=epochs, max_steps=max_steps, batch_size=batch_size, grad_accum=grad_accum, lr=lr,

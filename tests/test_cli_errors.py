@@ -195,6 +195,8 @@ CASES = [
                                            f"{e['root']}/d12", "--select-metric", "AUC"], 1, "AUC", "d12.partial"),
     Case("--w-logit -0.5", lambda e: [*DISTILL, "--data", e["data"], "--cache", e["cache"], "--out", f"{e['root']}/d13",
                                       "--w-logit", "-0.5"], 1, "--w-logit", "d13.partial"),
+    Case("--kd-over tokens", lambda e: [*DISTILL, "--data", e["data"], "--cache", e["cache"], "--out", f"{e['root']}/d14",
+                                        "--kd-over", "tokens"], 1, "--kd-over", "d14.partial"),
     Case("evaluate an unknown split", lambda e: ["evaluate", "--model", e["sasrec"], "--data", e["data"], "--split", "dev"],
          1, "dev"),
     Case("evaluate a folder that is not a model", lambda e: ["evaluate", "--model", f"{e['root']}/not-a-model", "--data",

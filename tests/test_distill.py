@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 from conftest import save_random_teacher
 import torch
+import torch.nn.functional as F
 from typer.testing import CliRunner
 
 from c2kd.cache_schema.reader import TeacherCache
@@ -28,7 +30,8 @@ from c2kd.recmodel.prompts import answer_index
 from c2kd.student.c2kd_modules import LayerFilters
 from c2kd.student.cache_batches import CacheBatches
 from c2kd.student.distill import DistillRecipe, build_student, distill
-from c2kd.student.objective import DistillModel
+from c2kd.student.losses import logit_kd_loss
+from c2kd.student.objective import DistillModel, stage1_loss
 from c2kd.training import TrainConfig, epoch_batches, read_log, train
 
 from benchmarks.live_teacher import live_teacher_batch
@@ -99,6 +102,9 @@ RECIPES = {
     "c2kd-no-cross-head": DistillRecipe(student="micro", cross_head=False),
     "logit-kd": DistillRecipe(student="micro", method="logit-kd"),
     "feature-kd": DistillRecipe(student="micro", method="feature-kd"),
+    "c2kd-items": DistillRecipe(student="micro", kd_over="items"),
+    "c2kd-no-cross-head-items": DistillRecipe(student="micro", cross_head=False, kd_over="items"),
+    "logit-kd-items": DistillRecipe(student="micro", method="logit-kd", kd_over="items"),
 }
 
 
@@ -142,7 +148,7 @@ def test_full_and_topk_caches_give_the_exact_logit_loss(caches, teacher, example
     exact = TeacherCache.open(caches("answer", "float32", "exact"))
     other = TeacherCache.open(caches("answer", "float32", logits))
     ids = exact.split_ids("train")[:8].tolist()
-    for recipe in (RECIPES["c2kd"], RECIPES["logit-kd"]):
+    for recipe in (RECIPES["c2kd"], RECIPES["logit-kd"], RECIPES["c2kd-items"], RECIPES["logit-kd-items"]):
         a = _model(exact, recipe)(exact.get(ids))
         b = _model(other, recipe)(other.get(ids))
         assert torch.allclose(a["logit"], b["logit"], rtol=1e-5)
@@ -166,6 +172,36 @@ def test_answer_index_matches_the_cache(caches, teacher, examples):
     assert torch.equal(positions[mask], batch.answer_positions[batch.answer_mask])
 
 
+def test_kd_over_items_is_the_catalog_distribution_at_the_item_answer(caches):
+    """--kd-over items: the logit losses over the item tokens' columns, at the answer positions
+    that predict an item (the `<eos>` positions drop out), written out by hand here."""
+    cache = TeacherCache.open(caches("answer", "float32"))
+    batch = cache.get(cache.split_ids("train")[:6])
+    model = _model(cache, DistillRecipe(student="micro", method="logit-kd", kd_over="items"))
+    items = model.student.item_token_ids[1:]
+    targets = batch.answer_targets()
+    rows = torch.isin(targets, items)
+    assert 0 < int(rows.sum()) < len(rows) and int(rows.sum()) == len(batch)  # one item answer per example
+    out = model.run_student(batch)
+    z_t = cache.head_weight().float()[items] @ batch.final_hidden[batch.answer_mask][rows].float().T
+    expected = logit_kd_loss(out.logits[rows][:, items], z_t.T, None)
+    torch.testing.assert_close(model(batch)["logit"], expected)
+    vocab = _model(cache, DistillRecipe(student="micro", method="logit-kd"))(batch)["logit"]
+    assert not torch.allclose(vocab, expected)
+    with pytest.raises(C2KDError, match="--kd-over 'tokens'"):
+        DistillRecipe(kd_over="tokens")
+    # stage 1's probe head classifies the item answers among the items
+    filters = LayerFilters(cache.spec.layers, cache.spec.hidden_size, 32, len(items))
+    batch = cache.get(cache.split_ids("train")[:6], layers=cache.spec.layers)
+    labels = torch.tensor([(items == t).nonzero().item() for t in targets[rows]])
+    by_hand = sum(F.cross_entropy(filters.head(filters.norm(filters.filters[str(l)](batch.hidden_at_answers(l)[rows].float()))),
+                                  labels) for l in cache.spec.layers)
+    torch.testing.assert_close(stage1_loss(filters, batch, items)["loss"], by_hand)
+    llara = dataclasses.replace(cache.spec, prompt_format="llara")  # its answers are titles, not item tokens
+    with pytest.raises(C2KDError, match="needs an ids cache, this one is 'llara'"):
+        DistillModel(model.student, DistillRecipe(student="micro", kd_over="items"), llara, cache.head_weight())
+
+
 # ---------------------------------------------------------------- what each method trains
 
 
@@ -177,6 +213,8 @@ def test_answer_index_matches_the_cache(caches, teacher, examples):
     (DistillRecipe(student="micro", orth=False), {"loss", "lm", "feat", "logit"}),
     (DistillRecipe(student="micro", cross_head=False), {"loss", "lm", "feat", "logit"}),
     (DistillRecipe(student="micro", router="fixed:4"), {"loss", "lm", "feat", "logit", "orth"}),
+    (DistillRecipe(student="micro", kd_over="items"), {"loss", "lm", "feat", "logit", "orth"}),
+    (DistillRecipe(student="micro", method="logit-kd", kd_over="items"), {"loss", "lm", "logit"}),
 ])
 def test_loss_terms_and_gradients_per_method(caches, recipe, terms):
     cache = TeacherCache.open(caches("all", "bfloat16"))
@@ -229,6 +267,18 @@ def test_distill_runs_with_the_teacher_checkpoint_deleted(teacher, examples, tmp
     assert {"ce_layer_2", "ce_layer_3", "ce_layer_4", "ce_layer_5"} <= set(stage1[0])
     student = RecLM.load(out)  # a normal model folder
     assert student.tokenizer.get_vocab() == teacher.tokenizer.get_vocab()
+
+
+def test_distill_with_kd_over_items_end_to_end(caches, examples, tmp_path):
+    cache = caches("all", "bfloat16")
+    record = distill(cache, examples.root, tmp_path / "student",
+                     DistillRecipe(student="micro", kd_over="items", max_train=32, eval_batch_size=16),
+                     {"max_steps": 2, "batch_size": 16, "progress": False})
+    assert record["recipe"]["kd_over"] == "items" and record["final_step"] == 2 and record["stage1_steps"] > 0
+    first = json.loads((tmp_path / "student" / "stage1_log.jsonl").read_text().splitlines()[0])
+    vocab = TeacherCache.open(cache).spec.vocab_size
+    # stage 1's head starts near-uniform over its classes: the catalog's items, not the vocabulary
+    assert all(first[f"ce_layer_{l}"] < (np.log(examples.num_items) + np.log(vocab)) / 2 for l in (2, 3, 4, 5)), first
 
 
 def test_sft_from_the_cache_reads_no_teacher_states(caches, examples, tmp_path, monkeypatch):

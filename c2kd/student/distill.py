@@ -39,7 +39,7 @@ from c2kd.recmodel.pretrained import c2kd_home
 from c2kd.run_folder import check_or_write_recipe, claim, finished_run
 from c2kd.student.c2kd_modules import LayerFilters, parse_router, uniform_layer_map
 from c2kd.student.cache_batches import CacheBatches
-from c2kd.student.objective import METHODS, DistillModel, LossWeights, stage1_loss
+from c2kd.student.objective import METHODS, DistillModel, LossWeights, check_kd_support, stage1_loss
 from c2kd.student.report import distill_record, epoch_router_counts, finish
 from c2kd.training import TrainConfig, TrainResult, comparable_config, train
 
@@ -66,6 +66,7 @@ class DistillRecipe(LossWeights):
         if self.method not in METHODS:
             raise C2KDError(f"--method {self.method!r}: expected one of {', '.join(METHODS)}")
         parse_router(self.router)
+        check_kd_support(self.kd_over)
         check_source(self.student, self.shrink, self.item_head)
         for name in ("w_feat", "w_logit", "w_orth", "stage1_epochs"):
             if getattr(self, name) < 0:
@@ -99,11 +100,13 @@ def build_student(recipe: DistillRecipe, cache: TeacherCache, seed: int) -> RecL
 
 
 def _stage1(recipe: DistillRecipe, cache: TeacherCache, train_ids: np.ndarray, config: TrainConfig,
-            d_s: int, work: Path) -> tuple[LayerFilters, TrainResult | None]:
+            student: RecLM, work: Path) -> tuple[LayerFilters, TrainResult | None]:
     """C2KD stage 1: the layer filters g_l on the cached teacher states (the teacher frozen by construction)."""
     spec = cache.spec
+    classes = student.item_token_ids[1:].cpu() if recipe.kd_over == "items" else None
     torch.manual_seed(config.seed)
-    filters = LayerFilters(spec.layers, spec.hidden_size, d_s, spec.vocab_size)
+    filters = LayerFilters(spec.layers, spec.hidden_size, student.hidden_size,
+                           spec.vocab_size if classes is None else len(classes))
     if recipe.stage1_epochs == 0:
         return filters, None
     stage1 = TrainConfig(out_dir=work / "stage1", lr=recipe.stage1_lr, weight_decay=config.weight_decay,
@@ -112,7 +115,7 @@ def _stage1(recipe: DistillRecipe, cache: TeacherCache, train_ids: np.ndarray, c
                          progress=config.progress)
     source = CacheBatches(cache, train_ids, stage1.batch_size, stage1.seed, layers=spec.layers, final_hidden=False,
                           logits=False)
-    return filters, train(filters, stage1_loss, source, None, None, stage1)
+    return filters, train(filters, lambda net, batch: stage1_loss(net, batch, classes), source, None, None, stage1)
 
 
 def distill(
@@ -147,6 +150,7 @@ def distill(
     finished = finished_run(out, recipe_record, "distill.json", overwrite)
     if finished is not None:
         return {**finished, "already_complete": True}
+    check_kd_support(recipe.kd_over, spec.prompt_format)
     kind, fixed_layer = parse_router(recipe.router)
     if recipe.method == "c2kd" and kind == "fixed" and fixed_layer not in spec.layers:
         raise C2KDError(f"--router {recipe.router}: layer {fixed_layer} is not cached (cached: {list(spec.layers)})")
@@ -164,7 +168,7 @@ def distill(
 
     filters, stage1_result = (None, None)
     if recipe.method == "c2kd":
-        filters, stage1_result = _stage1(recipe, teacher_cache, train_ids, config, student.hidden_size, work)
+        filters, stage1_result = _stage1(recipe, teacher_cache, train_ids, config, student, work)
 
     # Stage 2: each method reads only what it uses (sft: the token ids alone).
     model = DistillModel(student, recipe, spec, head_weight, filters, layer_map)

@@ -10,6 +10,13 @@ cross-entropy between the teacher's logits and W_head,t · feat_mlp(H_s^n) at th
 Ablations: --router fixed:L | soft, --no-orth, --no-cross-head (L_logit then uses the student's
 own head; there is no feat_mlp, so no L_orth either).
 
+--kd-over items (ids only; the paper's is vocab): the logit losses compare the two distributions
+over the catalog's item tokens, at the answer positions that predict an item, instead of over the
+whole vocabulary at every answer position; stage 1's probe head classifies the same way (N
+outputs, not V). Ranking reads nothing else, a fine-tuned teacher puts nearly all its mass there
+(0.998 for the demo's SmolLM2 teacher), and the cross-head then multiplies by N item rows of the
+teacher head instead of V (1,682 vs 50,835 or 263,827).
+
 Teacher logits come from the cache only: exact caches rebuild them on the student's device as
 final_hidden @ W_headᵀ (float32, autocast off); top-k caches give a distribution on the cached K
 tokens (the other logits -inf); full caches are read as they are. A batch may also carry
@@ -30,6 +37,16 @@ from c2kd.student.c2kd_modules import CrossHead, LayerFilters, routed_feature_lo
 from c2kd.student.losses import cross_head_kd_loss, feature_loss, logit_kd_loss, orth_loss
 
 METHODS = ("c2kd", "sft", "logit-kd", "feature-kd")
+KD_SUPPORTS = ("vocab", "items")
+
+
+def check_kd_support(kd_over: str, prompt_format: str | None = None) -> None:
+    """Refuse an unknown --kd-over, and items for a cache whose answers are not item tokens."""
+    if kd_over not in KD_SUPPORTS:
+        raise C2KDError(f"--kd-over {kd_over!r}: expected one of {', '.join(KD_SUPPORTS)}")
+    if kd_over == "items" and prompt_format not in (None, "ids"):
+        raise C2KDError(f"--kd-over items compares item-token distributions: it needs an ids cache, this one is "
+                        f"{prompt_format!r} (use --kd-over vocab)")
 
 
 @dataclass(frozen=True)
@@ -44,6 +61,7 @@ class LossWeights:
     w_logit: float = 0.5
     w_orth: float = 0.05
     tau: float = 1.0
+    kd_over: str = "vocab"  # vocab | items: the support of the logit losses (see the module docstring)
 
 
 class DistillModel(nn.Module):
@@ -57,11 +75,16 @@ class DistillModel(nn.Module):
         super().__init__()
         if weights.method not in METHODS:
             raise C2KDError(f"--method {weights.method!r}: expected one of {', '.join(METHODS)}")
+        check_kd_support(weights.kd_over, spec.prompt_format)
         self.student, self.w = student, weights
         self.logits_policy, self.vocab_size = spec.logits_policy, spec.vocab_size
         d_t, d_s = spec.hidden_size, student.hidden_size
         self.student_layer = max(1, student.num_layers - 1)  # penultimate (authors: 15 of 16)
         self.teacher_head = nn.Parameter(head_weight.detach().float().clone(), requires_grad=False)
+        # The KD support: None = the whole vocabulary; else the item tokens' columns (and the head's rows).
+        items = weights.kd_over == "items"
+        self.register_buffer("kd_columns", student.item_token_ids[1:].clone() if items else None, persistent=False)
+        self.register_buffer("kd_head", self.teacher_head.detach()[self.kd_columns] if items else None, persistent=False)
         self.filters = filters.requires_grad_(False) if filters is not None else None
         self.cross_head = CrossHead(d_s, d_t) if weights.method == "c2kd" and weights.cross_head else None
         self.layer_map = dict(layer_map or {})
@@ -93,20 +116,32 @@ class DistillModel(nn.Module):
         return self.student(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                             slot_items=batch.slot_items, labels=batch.labels, output_hidden_states=hidden)
 
-    def teacher_logits(self, batch: CachedBatch) -> Tensor:
-        """[N, V] float32 teacher logits at the real answer positions (see the module docstring)."""
+    def kd_rows(self, batch: CachedBatch) -> Tensor | None:
+        """Which real answer positions [N] the logit losses use: all (None), or those predicting an item."""
+        return None if self.kd_columns is None else torch.isin(batch.answer_targets(), self.kd_columns)
+
+    def on_kd_support(self, z: Tensor, rows: Tensor | None) -> Tensor:
+        """Logits [N, V] at the real answer positions restricted to the KD rows and columns."""
+        return z if rows is None else z[rows][:, self.kd_columns]
+
+    def teacher_logits(self, batch: CachedBatch, rows: Tensor | None = None) -> Tensor:
+        """float32 teacher logits at the real answer positions (`rows` of them), over the KD support
+        (see the module docstring): [N, V], or [n, items] with --kd-over items."""
         live = getattr(batch, "teacher_logits", None)
         if live is not None:
-            return live.float()
+            return self.on_kd_support(live.float(), rows)
         mask, policy = batch.answer_mask, self.logits_policy
         with torch.autocast(self.teacher_head.device.type, enabled=False):
             if policy.kind == "exact":
-                return teacher_logits(batch.final_hidden[mask], self.teacher_head)
+                h = batch.final_hidden[mask]
+                if rows is None:
+                    return teacher_logits(h, self.teacher_head)
+                return teacher_logits(h[rows], self.kd_head)
             if policy.kind == "full":
-                return batch.full_logits[mask].float()
+                return self.on_kd_support(batch.full_logits[mask].float(), rows)
             values, indices = batch.topk_values[mask].float(), batch.topk_indices[mask]
             dense = torch.full((values.shape[0], self.vocab_size), float("-inf"), device=values.device)
-            return dense.scatter(1, indices, values)
+            return self.on_kd_support(dense.scatter(1, indices, values), rows)
 
 
 def sft(m: DistillModel, batch: CachedBatch) -> dict[str, Tensor]:
@@ -116,7 +151,8 @@ def sft(m: DistillModel, batch: CachedBatch) -> dict[str, Tensor]:
 
 def logit_kd(m: DistillModel, batch: CachedBatch) -> dict[str, Tensor]:
     out = m.run_student(batch)
-    logit = logit_kd_loss(out.logits, m.teacher_logits(batch), None, m.w.tau)
+    rows = m.kd_rows(batch)
+    logit = logit_kd_loss(m.on_kd_support(out.logits, rows), m.teacher_logits(batch, rows), None, m.w.tau)
     return {"loss": out.loss + m.w.w_logit * logit, "lm": out.loss, "logit": logit}
 
 
@@ -139,9 +175,14 @@ def c2kd(m: DistillModel, batch: CachedBatch) -> dict[str, Tensor]:
         for layer in routing.chosen.tolist():
             m.router_counts[layer] = m.router_counts.get(layer, 0) + 1
     feat = routed_feature_loss(rows, projected, mask, routing)
-    h_answers = batch.answer_rows(h_n)
-    z = m.cross_head.logits(h_answers, m.teacher_head) if m.cross_head is not None else out.logits
-    logit = cross_head_kd_loss(z, m.teacher_logits(batch), None, m.w.tau)
+    rows = m.kd_rows(batch)
+    if m.cross_head is None:
+        z = m.on_kd_support(out.logits, rows)
+    elif rows is None:
+        z = m.cross_head.logits(batch.answer_rows(h_n), m.teacher_head)
+    else:
+        z = m.cross_head.logits(batch.answer_rows(h_n)[rows], m.kd_head)
+    logit = cross_head_kd_loss(z, m.teacher_logits(batch, rows), None, m.w.tau)
     uses_orth = m.cross_head is not None and m.w.orth
     orth = orth_loss(m.cross_head.feat_mlp.weight) if uses_orth else torch.zeros((), device=logit.device)
     terms = {"lm": out.loss, "feat": feat, "logit": logit, **({"orth": orth} if uses_orth else {})}
@@ -151,8 +192,17 @@ def c2kd(m: DistillModel, batch: CachedBatch) -> dict[str, Tensor]:
 OBJECTIVES = {"sft": sft, "logit-kd": logit_kd, "feature-kd": feature_kd, "c2kd": c2kd}
 
 
-def stage1_loss(filters: nn.Module, batch: CachedBatch) -> dict[str, Tensor]:
-    """Stage 1 (c2kd): sum over the candidate layers of CE(head(norm(g_l(H_t^l)))) at the answers."""
+def stage1_loss(filters: nn.Module, batch: CachedBatch, classes: Tensor | None = None) -> dict[str, Tensor]:
+    """Stage 1 (c2kd): sum over the candidate layers of CE(head(norm(g_l(H_t^l)))) at the answers.
+
+    `classes` (--kd-over items: the item tokens, the head's outputs in that order): the CE over the
+    catalog, at the answers that are items, instead of over the vocabulary at every answer."""
     hidden = {l: batch.hidden_at_answers(l) for l in batch.hidden}
-    per_layer = filters(hidden, batch.answer_targets())  # through forward(), so a DDP wrapper sees the call
+    targets = batch.answer_targets()
+    if classes is not None:
+        classes = classes.to(targets.device)
+        rows = torch.isin(targets, classes)
+        hidden = {l: h[rows] for l, h in hidden.items()}
+        targets = (targets[rows, None] == classes[None, :]).int().argmax(dim=1)  # token id -> class index
+    per_layer = filters(hidden, targets)  # through forward(), so a DDP wrapper sees the call
     return {"loss": torch.stack(list(per_layer.values())).sum(), **{f"ce_layer_{l}": v for l, v in per_layer.items()}}
