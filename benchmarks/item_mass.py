@@ -2,8 +2,8 @@
 
     python benchmarks/item_mass.py CACHE [--json out.json]
 
-Reads an `ids` cache with exact logits: at every answer position that predicts an item, the
-teacher's softmax over the whole vocabulary (rebuilt from the cached final state and head) and
+Reads an `ids` cache (any logits policy: it uses the cached final states): at every answer
+position that predicts an item, the teacher's softmax over the whole vocabulary (rebuilt from the cached final state and head) and
 the share of it on the catalog's item tokens. Prints the mean, median and lowest share.
 """
 
@@ -17,6 +17,7 @@ import torch
 
 from c2kd.cache_schema import TeacherCache
 from c2kd.recmodel.tokenizer import item_token_ids
+from c2kd.student.objective import check_kd_support
 
 
 def item_mass(cache: TeacherCache, batch_size: int = 64) -> torch.Tensor:
@@ -39,6 +40,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     cache = TeacherCache.open(args.cache)
+    check_kd_support("items", cache.spec.prompt_format)  # the answers must be item tokens
     share = item_mass(cache)
     result = {"cache": str(args.cache), "teacher": cache.spec.teacher_description, "positions": len(share),
               "item_mass": {"mean": share.mean().item(), "median": share.median().item(), "min": share.min().item()}}

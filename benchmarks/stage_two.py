@@ -54,7 +54,7 @@ from c2kd.recmodel.prompts import PromptEncoder, collate, encode_frame
 from c2kd.recmodel.tokenizer import build_word_tokenizer
 from c2kd.student.c2kd_modules import LayerFilters
 from c2kd.student.distill import DistillRecipe, build_student
-from c2kd.student.objective import DistillModel
+from c2kd.student.objective import DistillModel, kd_classes
 from live_teacher import live_teacher_batch
 
 VARIANTS = ("c2kd-cache", "c2kd-items-cache", "sft-cache", "c2kd-live")
@@ -113,8 +113,9 @@ class Bench:
                                    shrink=args.shrink, kd_over="items" if name == "c2kd-items-cache" else "vocab")
             student = build_student(recipe, self.cache, seed=0)
             torch.manual_seed(0)
-            classes = student.spec.num_items if recipe.kd_over == "items" else spec.vocab_size  # stage 1's probe width
-            filters = LayerFilters(spec.layers, spec.hidden_size, student.hidden_size, classes)
+            classes = kd_classes(recipe, student)  # stage 1's probe: one output per class
+            filters = LayerFilters(spec.layers, spec.hidden_size, student.hidden_size,
+                                   spec.vocab_size if classes is None else len(classes))
             model = DistillModel(student, recipe, spec, head, filters if recipe.method == "c2kd" else None)
             model.to(self.device).train()
             self.models[name] = model

@@ -29,9 +29,10 @@ def claim(out: str | Path) -> tuple[Path, Path]:
     return out, partial_dir(out)
 
 
-def finished_run(out: Path, record: dict, summary_file: str, overwrite: bool) -> dict | None:
+def finished_run(out: Path, record: dict, summary_file: str, overwrite: bool, added: dict | None = None) -> dict | None:
     """The summary of a finished run at `out` made with this recipe (None when there is none, or
-    when it is to be overwritten); an existing `out` made otherwise is refused."""
+    when it is to be overwritten); an existing `out` made otherwise is refused. `added`: settings
+    newer than some recorded runs, with the value those runs used (a record without one had it)."""
     if not out.exists() or overwrite:
         return None
     try:
@@ -40,23 +41,24 @@ def finished_run(out: Path, record: dict, summary_file: str, overwrite: bool) ->
     except (OSError, ValueError):
         raise C2KDError(f"{out} already exists and is not a finished run of this command; choose another --out "
                         "or pass --overwrite") from None
-    changed = _changed(previous, record)
+    changed = _changed(previous, record, added)
     if changed:
         raise C2KDError(f"{out} already holds a run with other settings ({', '.join(changed)}); choose another --out "
                         "or pass --overwrite")
     return summary
 
 
-def _changed(previous: dict, record: dict) -> list[str]:
+def _changed(previous: dict, record: dict, added: dict | None = None) -> list[str]:
     record = json.loads(json.dumps(record))
+    previous = {**(added or {}), **previous}
     return sorted(k for k in {*previous, *record} if previous.get(k) != record.get(k))
 
 
-def check_or_write_recipe(work: Path, record: dict, rank: int) -> None:
-    """The recipe of an interrupted run must match the one being resumed."""
+def check_or_write_recipe(work: Path, record: dict, rank: int, added: dict | None = None) -> None:
+    """The recipe of an interrupted run must match the one being resumed (`added`: see finished_run)."""
     path = work / "recipe.json"
     if path.exists():
-        changed = _changed(json.loads(path.read_text()), record)
+        changed = _changed(json.loads(path.read_text()), record, added)
         if changed:
             raise C2KDError(f"{work} holds an interrupted run with other settings ({', '.join(changed)}); "
                             f"rerun with those settings to resume, or delete {work}")

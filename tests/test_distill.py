@@ -161,6 +161,14 @@ def test_small_topk_cache_gives_a_finite_loss_close_to_exact(caches):
     a = _model(exact, RECIPES["logit-kd"])(exact.get(ids))["logit"]
     b = _model(top, RECIPES["logit-kd"])(top.get(ids))["logit"]
     assert torch.isfinite(b) and b.item() != pytest.approx(a.item(), rel=1e-6)
+    # with --kd-over items a top-8 row may hold no item token at all: no teacher signal, and no NaN
+    batch = top.get(ids)
+    for name in ("logit-kd-items", "c2kd-items"):
+        model = _model(top, RECIPES[name]).train()
+        out = model(batch)
+        assert torch.isfinite(out["loss"]), name
+        out["loss"].backward()
+        assert all(torch.isfinite(p.grad).all() for p in model.trainable_parameters() if p.grad is not None), name
 
 
 def test_answer_index_matches_the_cache(caches, teacher, examples):
@@ -190,6 +198,8 @@ def test_kd_over_items_is_the_catalog_distribution_at_the_item_answer(caches):
     assert not torch.allclose(vocab, expected)
     with pytest.raises(C2KDError, match="--kd-over 'tokens'"):
         DistillRecipe(kd_over="tokens")
+    with pytest.raises(C2KDError, match="--method sft has none"):
+        DistillRecipe(method="sft", kd_over="items")
     # stage 1's probe head classifies the item answers among the items
     filters = LayerFilters(cache.spec.layers, cache.spec.hidden_size, 32, len(items))
     batch = cache.get(cache.split_ids("train")[:6], layers=cache.spec.layers)
@@ -279,6 +289,19 @@ def test_distill_with_kd_over_items_end_to_end(caches, examples, tmp_path):
     vocab = TeacherCache.open(cache).spec.vocab_size
     # stage 1's head starts near-uniform over its classes: the catalog's items, not the vocabulary
     assert all(first[f"ce_layer_{l}"] < (np.log(examples.num_items) + np.log(vocab)) / 2 for l in (2, 3, 4, 5)), first
+
+
+def test_a_run_recorded_before_kd_over_existed_is_still_the_same_run(caches, examples, tmp_path):
+    cache, out = caches("all", "bfloat16"), tmp_path / "student"
+    recipe, train_config = DistillRecipe(student="micro", max_train=16, eval_batch_size=16), {"max_steps": 1, "batch_size": 16, "progress": False}
+    distill(cache, examples.root, out, recipe, train_config)
+    recorded = json.loads((out / "recipe.json").read_text())
+    del recorded["kd_over"]  # as a run from before the setting wrote it
+    (out / "recipe.json").write_text(json.dumps(recorded))
+    assert distill(cache, examples.root, out, recipe, train_config)["already_complete"]
+    with pytest.raises(C2KDError, match=r"other settings \(kd_over\)"):
+        distill(cache, examples.root, out, DistillRecipe(student="micro", max_train=16, eval_batch_size=16,
+                                                         kd_over="items"), train_config)
 
 
 def test_sft_from_the_cache_reads_no_teacher_states(caches, examples, tmp_path, monkeypatch):

@@ -319,3 +319,16 @@ def test_one_hot_routing_computes_one_feature_loss_equal_to_the_weighted_sum(mod
     torch.testing.assert_close(routed_feature_loss(h_s, projected, mask, routing), weighted)
     soft = route(h_s, projected, mask, "soft")
     assert not soft.one_hot
+
+
+def test_a_row_without_any_finite_teacher_logit_gives_no_signal_and_no_nan():
+    # a top-k cache read with --kd-over items: none of a row's K cached tokens may be an item
+    z_t = torch.tensor([[2.0, -1.0, float("-inf")], [float("-inf")] * 3])
+    for loss_fn in (logit_kd_loss, cross_head_kd_loss):
+        z_s = torch.randn(2, 3, requires_grad=True)
+        loss = loss_fn(z_s, z_t, None)
+        loss.backward()
+        assert torch.isfinite(loss) and torch.isfinite(z_s.grad).all(), loss_fn.__name__
+        assert torch.equal(z_s.grad[1], torch.zeros(3))  # the empty row teaches nothing
+        alone = loss_fn(z_s[:1].detach(), z_t[:1], None)
+        torch.testing.assert_close(loss, alone / 2)  # it counts as a zero term in the mean

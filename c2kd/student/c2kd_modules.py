@@ -43,7 +43,8 @@ class LayerFilters(nn.Module):
         return {l: self.filters[str(l)](teacher_hidden_by_layer[l].to(weight_dtype)) for l in self.teacher_layers}
 
     def layer_losses(self, teacher_hidden_by_layer: Mapping[int, Tensor], labels_at_answer: Tensor) -> dict[int, Tensor]:
-        """{l: CE(head(norm(g_l(H_t^l))), labels)}; hidden [N, d_t] at answer positions, labels [N] (next tokens)."""
+        """{l: CE(head(norm(g_l(H_t^l))), labels)}; hidden [N, d_t] at answer positions, labels [N]: the
+        head's class indices (the next tokens' ids; item indices with --kd-over items)."""
         projected = self.project(teacher_hidden_by_layer)
         return {l: F.cross_entropy(self.head(self.norm(h)).float(), labels_at_answer) for l, h in projected.items()}
 

@@ -39,12 +39,15 @@ from c2kd.recmodel.pretrained import c2kd_home
 from c2kd.run_folder import check_or_write_recipe, claim, finished_run
 from c2kd.student.c2kd_modules import LayerFilters, parse_router, uniform_layer_map
 from c2kd.student.cache_batches import CacheBatches
-from c2kd.student.objective import METHODS, DistillModel, LossWeights, check_kd_support, stage1_loss
+from c2kd.student.objective import METHODS, DistillModel, LossWeights, check_kd_support, kd_classes, stage1_loss
 from c2kd.student.report import distill_record, epoch_router_counts, finish
 from c2kd.training import TrainConfig, TrainResult, comparable_config, train
 
 DEFAULT_SELECT_METRIC = "NDCG@10"  # over the 20 stored validation candidates
 SELECT_METRICS = ("HR@1", "HR@5", "HR@10", "NDCG@5", "NDCG@10", "MRR")
+# Settings added after distill runs were first recorded, with the value those runs used: a finished
+# or interrupted run recorded without one is still the same run.
+SETTINGS_ADDED = {"kd_over": "vocab"}
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,7 @@ class DistillRecipe(LossWeights):
         if self.method not in METHODS:
             raise C2KDError(f"--method {self.method!r}: expected one of {', '.join(METHODS)}")
         parse_router(self.router)
-        check_kd_support(self.kd_over)
+        check_kd_support(self.kd_over, method=self.method)
         check_source(self.student, self.shrink, self.item_head)
         for name in ("w_feat", "w_logit", "w_orth", "stage1_epochs"):
             if getattr(self, name) < 0:
@@ -103,7 +106,7 @@ def _stage1(recipe: DistillRecipe, cache: TeacherCache, train_ids: np.ndarray, c
             student: RecLM, work: Path) -> tuple[LayerFilters, TrainResult | None]:
     """C2KD stage 1: the layer filters g_l on the cached teacher states (the teacher frozen by construction)."""
     spec = cache.spec
-    classes = student.item_token_ids[1:].cpu() if recipe.kd_over == "items" else None
+    classes = kd_classes(recipe, student)
     torch.manual_seed(config.seed)
     filters = LayerFilters(spec.layers, spec.hidden_size, student.hidden_size,
                            spec.vocab_size if classes is None else len(classes))
@@ -147,7 +150,7 @@ def distill(
     # the cache by its identity, not its path: a moved or re-served cache is the same cache
     recipe_record = {"recipe": "distill", **asdict(recipe), "train": comparable_config(config),
                      "cache_digest": teacher_cache.digest, "data_fingerprint": examples.fingerprint}
-    finished = finished_run(out, recipe_record, "distill.json", overwrite)
+    finished = finished_run(out, recipe_record, "distill.json", overwrite, SETTINGS_ADDED)
     if finished is not None:
         return {**finished, "already_complete": True}
     check_kd_support(recipe.kd_over, spec.prompt_format)
@@ -162,7 +165,7 @@ def distill(
     head_weight = teacher_cache.head_weight()
 
     rank = dist_env()[0]
-    check_or_write_recipe(work, recipe_record, rank)  # only once everything could be opened and built
+    check_or_write_recipe(work, recipe_record, rank, SETTINGS_ADDED)  # only once everything could be opened and built
     cached = teacher_cache.split_ids("train")
     train_ids = cached[fixed_subset(len(cached), recipe.max_train)]
 

@@ -60,9 +60,11 @@ def soft_cross_entropy(z_student: Tensor, z_teacher: Tensor, mask: Tensor | None
     """mean over masked positions of -sum_v softmax(z_t/tau)_v * log_softmax(z_s/tau)_v.
 
     Teacher logits may hold -inf (top-k caches): those vocabulary entries get probability 0 and
-    contribute nothing (0 * log p is taken as 0, never NaN).
+    contribute nothing (0 * log p is taken as 0, never NaN). A row with no finite teacher logit
+    (a top-k cache read with --kd-over items, none of its K tokens an item) contributes 0, and no
+    NaN gradient.
     """
-    p_t = F.softmax(z_teacher.float() / tau, dim=-1)
+    p_t = torch.nan_to_num(F.softmax(z_teacher.float() / tau, dim=-1), nan=0.0)
     log_p_s = F.log_softmax(z_student.float() / tau, dim=-1)
     terms = torch.where(p_t > 0, p_t * log_p_s, torch.zeros_like(log_p_s))
     return masked_mean(-terms.sum(dim=-1), mask)
@@ -81,8 +83,9 @@ def logit_kd_loss(z_student: Tensor, z_teacher: Tensor, mask: Tensor | None, tau
 
     KL = soft CE - teacher entropy; the entropy does not depend on the student, so at tau = 1 the
     gradient equals that of the cross-head CE, and the value is 0 when the student matches the teacher.
+    Rows with no finite teacher logit contribute 0 (see soft_cross_entropy).
     """
-    p_t = F.softmax(z_teacher.float() / tau, dim=-1)
+    p_t = torch.nan_to_num(F.softmax(z_teacher.float() / tau, dim=-1), nan=0.0)
     log_p_t = F.log_softmax(z_teacher.float() / tau, dim=-1)
     log_p_s = F.log_softmax(z_student.float() / tau, dim=-1)
     terms = torch.where(p_t > 0, p_t * (log_p_t - log_p_s), torch.zeros_like(log_p_s))

@@ -40,10 +40,13 @@ METHODS = ("c2kd", "sft", "logit-kd", "feature-kd")
 KD_SUPPORTS = ("vocab", "items")
 
 
-def check_kd_support(kd_over: str, prompt_format: str | None = None) -> None:
-    """Refuse an unknown --kd-over, and items for a cache whose answers are not item tokens."""
+def check_kd_support(kd_over: str, prompt_format: str | None = None, method: str | None = None) -> None:
+    """Refuse an unknown --kd-over, items for a method without logit losses, and items for a cache
+    whose answers are not item tokens."""
     if kd_over not in KD_SUPPORTS:
         raise C2KDError(f"--kd-over {kd_over!r}: expected one of {', '.join(KD_SUPPORTS)}")
+    if kd_over == "items" and method in ("sft", "feature-kd"):
+        raise C2KDError(f"--kd-over items changes the logit losses; --method {method} has none (drop --kd-over)")
     if kd_over == "items" and prompt_format not in (None, "ids"):
         raise C2KDError(f"--kd-over items compares item-token distributions: it needs an ids cache, this one is "
                         f"{prompt_format!r} (use --kd-over vocab)")
@@ -64,6 +67,12 @@ class LossWeights:
     kd_over: str = "vocab"  # vocab | items: the support of the logit losses (see the module docstring)
 
 
+def kd_classes(weights: LossWeights, student: RecLM) -> Tensor | None:
+    """What the logit losses and stage 1's probe head range over: None = the vocabulary, or (with
+    --kd-over items) the item tokens' ids, in item order."""
+    return student.item_token_ids[1:].clone() if weights.kd_over == "items" else None
+
+
 class DistillModel(nn.Module):
     """The student plus the pieces its method trains; forward(batch) -> loss terms ("loss" = the total).
 
@@ -75,15 +84,16 @@ class DistillModel(nn.Module):
         super().__init__()
         if weights.method not in METHODS:
             raise C2KDError(f"--method {weights.method!r}: expected one of {', '.join(METHODS)}")
-        check_kd_support(weights.kd_over, spec.prompt_format)
+        check_kd_support(weights.kd_over, spec.prompt_format, weights.method)
         self.student, self.w = student, weights
         self.logits_policy, self.vocab_size = spec.logits_policy, spec.vocab_size
         d_t, d_s = spec.hidden_size, student.hidden_size
         self.student_layer = max(1, student.num_layers - 1)  # penultimate (authors: 15 of 16)
         self.teacher_head = nn.Parameter(head_weight.detach().float().clone(), requires_grad=False)
-        # The KD support: None = the whole vocabulary; else the item tokens' columns (and the head's rows).
-        items = weights.kd_over == "items"
-        self.register_buffer("kd_columns", student.item_token_ids[1:].clone() if items else None, persistent=False)
+        # The KD support: None = the whole vocabulary; else the item tokens' columns and the teacher
+        # head's rows for them (the teacher's logits, and the cross-head's).
+        self.register_buffer("kd_columns", kd_classes(weights, student), persistent=False)
+        items = self.kd_columns is not None
         self.register_buffer("kd_head", self.teacher_head.detach()[self.kd_columns] if items else None, persistent=False)
         self.filters = filters.requires_grad_(False) if filters is not None else None
         self.cross_head = CrossHead(d_s, d_t) if weights.method == "c2kd" and weights.cross_head else None
@@ -175,14 +185,14 @@ def c2kd(m: DistillModel, batch: CachedBatch) -> dict[str, Tensor]:
         for layer in routing.chosen.tolist():
             m.router_counts[layer] = m.router_counts.get(layer, 0) + 1
     feat = routed_feature_loss(rows, projected, mask, routing)
-    rows = m.kd_rows(batch)
+    kd_rows = m.kd_rows(batch)
     if m.cross_head is None:
-        z = m.on_kd_support(out.logits, rows)
-    elif rows is None:
+        z = m.on_kd_support(out.logits, kd_rows)
+    elif kd_rows is None:
         z = m.cross_head.logits(batch.answer_rows(h_n), m.teacher_head)
     else:
-        z = m.cross_head.logits(batch.answer_rows(h_n)[rows], m.kd_head)
-    logit = cross_head_kd_loss(z, m.teacher_logits(batch, rows), None, m.w.tau)
+        z = m.cross_head.logits(batch.answer_rows(h_n)[kd_rows], m.kd_head)
+    logit = cross_head_kd_loss(z, m.teacher_logits(batch, kd_rows), None, m.w.tau)
     uses_orth = m.cross_head is not None and m.w.orth
     orth = orth_loss(m.cross_head.feat_mlp.weight) if uses_orth else torch.zeros((), device=logit.device)
     terms = {"lm": out.loss, "feat": feat, "logit": logit, **({"orth": orth} if uses_orth else {})}
