@@ -52,9 +52,8 @@ from c2kd.recmodel.model import RecLM
 from c2kd.recmodel.presets import ModelPreset
 from c2kd.recmodel.prompts import PromptEncoder, collate, encode_frame
 from c2kd.recmodel.tokenizer import build_word_tokenizer
-from c2kd.student.c2kd_modules import LayerFilters
 from c2kd.student.distill import DistillRecipe, build_student
-from c2kd.student.objective import DistillModel, kd_classes
+from c2kd.student.objective import DistillModel, layer_filters
 from live_teacher import live_teacher_batch
 
 VARIANTS = ("c2kd-cache", "c2kd-items-cache", "sft-cache", "c2kd-live")
@@ -113,9 +112,7 @@ class Bench:
                                    shrink=args.shrink, kd_over="items" if name == "c2kd-items-cache" else "vocab")
             student = build_student(recipe, self.cache, seed=0)
             torch.manual_seed(0)
-            classes = kd_classes(recipe, student)  # stage 1's probe: one output per class
-            filters = LayerFilters(spec.layers, spec.hidden_size, student.hidden_size,
-                                   spec.vocab_size if classes is None else len(classes))
+            filters = layer_filters(recipe, spec, student)
             model = DistillModel(student, recipe, spec, head, filters if recipe.method == "c2kd" else None)
             model.to(self.device).train()
             self.models[name] = model

@@ -31,7 +31,7 @@ from c2kd.student.c2kd_modules import LayerFilters
 from c2kd.student.cache_batches import CacheBatches
 from c2kd.student.distill import DistillRecipe, build_student, distill
 from c2kd.student.losses import logit_kd_loss
-from c2kd.student.objective import DistillModel, stage1_loss
+from c2kd.student.objective import DistillModel, layer_filters, stage1_loss
 from c2kd.training import TrainConfig, epoch_batches, read_log, train
 
 from benchmarks.live_teacher import live_teacher_batch
@@ -88,7 +88,7 @@ def _live_tokens(teacher, examples, example_ids):
 def _model(cache: TeacherCache, recipe: DistillRecipe, seed=0) -> DistillModel:
     torch.manual_seed(seed)
     student = build_student(recipe, cache, seed=seed)
-    filters = LayerFilters(cache.spec.layers, cache.spec.hidden_size, student.hidden_size, cache.spec.vocab_size)
+    filters = layer_filters(recipe, cache.spec, student)
     layer_map = {1: 3} if recipe.method == "feature-kd" else None
     return DistillModel(student, recipe, cache.spec, cache.head_weight(),
                         filters if recipe.method == "c2kd" else None, layer_map).eval()

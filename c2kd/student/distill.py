@@ -39,7 +39,7 @@ from c2kd.recmodel.pretrained import c2kd_home
 from c2kd.run_folder import check_or_write_recipe, claim, finished_run
 from c2kd.student.c2kd_modules import LayerFilters, parse_router, uniform_layer_map
 from c2kd.student.cache_batches import CacheBatches
-from c2kd.student.objective import METHODS, DistillModel, LossWeights, check_kd_support, kd_classes, stage1_loss
+from c2kd.student.objective import METHODS, DistillModel, LossWeights, check_kd_support, kd_classes, layer_filters, stage1_loss
 from c2kd.student.report import distill_record, epoch_router_counts, finish
 from c2kd.training import TrainConfig, TrainResult, comparable_config, train
 
@@ -108,8 +108,7 @@ def _stage1(recipe: DistillRecipe, cache: TeacherCache, train_ids: np.ndarray, c
     spec = cache.spec
     classes = kd_classes(recipe, student)
     torch.manual_seed(config.seed)
-    filters = LayerFilters(spec.layers, spec.hidden_size, student.hidden_size,
-                           spec.vocab_size if classes is None else len(classes))
+    filters = layer_filters(recipe, spec, student)
     if recipe.stage1_epochs == 0:
         return filters, None
     stage1 = TrainConfig(out_dir=work / "stage1", lr=recipe.stage1_lr, weight_decay=config.weight_decay,

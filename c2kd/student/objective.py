@@ -73,6 +73,14 @@ def kd_classes(weights: LossWeights, student: RecLM) -> Tensor | None:
     return student.item_token_ids[1:].clone() if weights.kd_over == "items" else None
 
 
+def layer_filters(weights: LossWeights, spec: CacheSpec, student: RecLM) -> LayerFilters:
+    """C2KD's stage-1 filters for this student and cache: the probe head has one output per class
+    (`kd_classes`: the vocabulary, or the items)."""
+    classes = kd_classes(weights, student)
+    return LayerFilters(spec.layers, spec.hidden_size, student.hidden_size,
+                        spec.vocab_size if classes is None else len(classes))
+
+
 class DistillModel(nn.Module):
     """The student plus the pieces its method trains; forward(batch) -> loss terms ("loss" = the total).
 
