@@ -82,21 +82,24 @@ class Bench:
             print(f"== {name}", flush=True)
             c2kd(args, self.log, threads)
 
-    def data_and_sasrec(self) -> None:
+    def data_and_sasrec(self, seeds: tuple[int, ...] = (0, 1, 2)) -> None:
         self.step("prepare", self.data, ["prepare", "movielens-100k", "--out", str(self.data), "--max-train-per-user", "5"])
-        for seed in (0, 1, 2):
+        for seed in seeds:
             run = self.out / f"sasrec-s{seed}"
             self.step(f"sasrec-s{seed}", run, ["train-sasrec", "--data", str(self.data), "--out", str(run), "--seed", str(seed)])
 
-    def family(self, name: str, num_seeds: int) -> None:
-        a, fam = self.args, FAMILIES[name]
-        root, alias, keep = self.out / name, fam["alias"], f"first:{fam['keep']}"
+    def common(self) -> list[str]:
+        quick = ["--max-train", "64", "--max-val", "32"] if self.args.quick else []
+        return ["--data", str(self.data), "--format", "ids", "--item-head", "hybrid", "--no-progress", *quick]
+
+    def teacher(self, name: str) -> None:
+        """The family's teacher fine-tuned, its test metrics, and the cache of its train split."""
+        a, fam, root = self.args, FAMILIES[name], self.out / name
         root.mkdir(parents=True, exist_ok=True)
-        quick = ["--max-train", "64", "--max-val", "32"] if a.quick else []
-        common = ["--data", str(self.data), "--format", "ids", "--item-head", "hybrid", "--no-progress", *quick]
         self.step(f"{name}/teacher", root / "teacher", [
-            "train-teacher", *common, "--sasrec", str(self.sasrec), "--out", str(root / "teacher"), "--model", alias,
-            "--lr", str(a.teacher_lr), "--epochs", str(1 if a.quick else a.teacher_epochs or fam["teacher_epochs"]), "--batch-size", "32",
+            "train-teacher", *self.common(), "--sasrec", str(self.sasrec), "--out", str(root / "teacher"),
+            "--model", fam["alias"], "--lr", str(a.teacher_lr),
+            "--epochs", str(1 if a.quick else a.teacher_epochs or fam["teacher_epochs"]), "--batch-size", "32",
             "--checkpoint-every", "25"])
         self.step(f"{name}/teacher-test", root / "teacher-test.json", [
             "evaluate", "--model", str(root / "teacher"), "--data", str(self.data), "--split", "test",
@@ -104,6 +107,29 @@ class Bench:
         self.step(f"{name}/cache", root / "cache" / "manifest.json", [
             "cache-teacher", "--teacher", str(root / "teacher"), "--data", str(self.data), "--out", str(root / "cache"),
             "--splits", "train", "--no-progress"])
+
+    def student_args(self) -> list[str]:
+        a = self.args
+        return ["--lr", str(a.student_lr), "--epochs", str(1 if a.quick else a.student_epochs), "--batch-size", "32"]
+
+    def distill_job(self, name: str, label: str, flags: list[str], seed: int, cache: str = "cache") -> tuple:
+        """(step name, output folder, command) of one student distilled from the family's cache."""
+        root, keep = self.out / name, f"first:{FAMILIES[name]['keep']}"
+        run = root / f"{label.replace(' ', '-')}-s{seed}"
+        quick = ["--max-train", "64", "--max-val", "32"] if self.args.quick else []
+        return (f"{name}/{label}-s{seed}", run, [
+            "distill", "--cache", str(root / cache), "--data", str(self.data), "--out", str(run),
+            "--student", FAMILIES[name]["alias"], "--shrink", keep, "--item-head", "hybrid", "--seed", str(seed),
+            "--no-progress", *flags, *self.student_args(), *quick])
+
+    def run_jobs(self, jobs: list[tuple]) -> None:
+        with ThreadPoolExecutor(max_workers=2) as pool:  # small students: two at a time, one thread each
+            for done in [pool.submit(self.step, n, o, c, 1) for n, o, c in jobs]:
+                done.result()
+
+    def family(self, name: str, num_seeds: int) -> None:
+        a, fam, root = self.args, FAMILIES[name], self.out / name
+        self.teacher(name)
         # Feature KD pairs student layer i with teacher layer round(i·L_t/L_s): early layers the
         # default (late-layer) cache does not hold, so they get a cache of their own.
         uniform = sorted(set(uniform_layer_map(fam["keep"], fam["layers"], range(1, fam["layers"] + 1)).values()))
@@ -111,23 +137,16 @@ class Bench:
             "cache-teacher", "--teacher", str(root / "teacher"), "--data", str(self.data),
             "--out", str(root / "cache-uniform"), "--splits", "train", "--layers", ",".join(map(str, uniform)),
             "--no-progress"])
-        student = ["--lr", str(a.student_lr), "--epochs", str(1 if a.quick else a.student_epochs), "--batch-size", "32"]
         jobs = []
         for seed in fam["seeds"][: 1 if a.quick else num_seeds]:
             run = root / f"student-alone-s{seed}"
             jobs.append((f"{name}/student-alone-s{seed}", run, [
-                "train-teacher", *common, "--sasrec", str(self.sasrec), "--out", str(run), "--model", alias,
-                "--shrink", keep, "--seed", str(seed), *student]))
+                "train-teacher", *self.common(), "--sasrec", str(self.sasrec), "--out", str(run), "--model", fam["alias"],
+                "--shrink", f"first:{fam['keep']}", "--seed", str(seed), *self.student_args()]))
             for method in TRAIN_ORDER:  # C2KD right after SFT: a run cut short still compares them
-                flags, run = METHODS[method], root / f"{method.replace(' ', '-')}-s{seed}"
-                cache = root / ("cache-uniform" if method == "feature KD" else "cache")
-                jobs.append((f"{name}/{method}-s{seed}", run, [
-                    "distill", "--cache", str(cache), "--data", str(self.data), "--out", str(run),
-                    "--student", alias, "--shrink", keep, "--item-head", "hybrid", "--seed", str(seed), "--no-progress",
-                    *flags, *student, *quick]))
-        with ThreadPoolExecutor(max_workers=2) as pool:  # small students: two at a time, one thread each
-            for done in [pool.submit(self.step, n, o, c, 1) for n, o, c in jobs]:
-                done.result()
+                cache = "cache-uniform" if method == "feature KD" else "cache"
+                jobs.append(self.distill_job(name, method, METHODS[method], seed, cache))
+        self.run_jobs(jobs)
 
     def timed(self, name: str) -> None:
         """Batch-1 latency (teacher vs student, interleaved) and parameters; alone, one thread."""

@@ -4,7 +4,8 @@
   at the answer position (one forward pass; the head runs on the item tokens' rows only, and the
   same scores rank the full catalog too), for
   `llara` the log-likelihood of each candidate's answer tokens (title + eos) given the prompt.
-  The prompt runs once per example; its KV cache is repeated for the 20 continuations.
+  The prompt runs once per example; its KV cache is repeated for the continuations, as many
+  candidates at a time as a memory budget allows.
 - The paper's generation protocol (`llara`): greedy decoding, first line of the answer,
   ValidRatio and HR@1 (over valid answers and over all examples).
 
@@ -99,6 +100,19 @@ def ids_scores(model: RecLM, prompts: PromptBatch) -> torch.Tensor:
     return model.item_scores(h[:, -1]).float()
 
 
+# Elements one pass of candidate continuations may hold in its repeated KV cache, or in its logits
+# (about 1 GiB in float32). All 20 candidates of 32 prompts at once would need ~23 GiB for
+# SmolLM2-135M with `llara` prompts (30 layers, 260 tokens), so the candidates go in groups.
+CONTINUATION_ELEMENTS = 2**28
+
+
+def candidates_per_pass(model: RecLM, batch: int, prompt_width: int, answer_width: int, num_cands: int) -> int:
+    """How many candidates per prompt one continuation pass scores within CONTINUATION_ELEMENTS
+    (an upper bound: keys and values at full width in every layer; at least one)."""
+    per_row = max(2 * model.num_layers * prompt_width * model.hidden_size, answer_width * model.vocab_size)
+    return max(1, min(num_cands, CONTINUATION_ELEMENTS // (per_row * batch)))
+
+
 @torch.no_grad()
 def llara_candidate_scores(
     model: RecLM,
@@ -109,33 +123,50 @@ def llara_candidate_scores(
 ) -> torch.Tensor:
     """`llara` format: sum of log-probs of each candidate's answer tokens given the prompt, [B, C].
 
-    The prompt runs once (or `state` is reused; its cache is consumed); its KV cache is repeated
-    C times and all B*C continuations run in one right-padded batch."""
+    The prompt runs once (or `state` is reused; its cache may be consumed); its KV cache is
+    repeated for a group of candidates at a time (`candidates_per_pass`) and each group's B*G
+    continuations run in one right-padded batch."""
     batch, num_cands = candidates.shape
     state = state if state is not None else run_prompts(model, prompts)
-    answers = [encoder.answer_ids(int(c)) for c in candidates.flatten().tolist()]
-    width = max(len(a) for a in answers)
+    answers = [[encoder.answer_ids(int(c)) for c in row] for row in candidates.tolist()]
+    width = max(len(a) for row in answers for a in row)
+    group = candidates_per_pass(model, batch, prompts.input_ids.shape[1], width, num_cands)
+    scores = []
+    for first in range(0, num_cands, group):
+        cache = state.cache if group == num_cands else copy.deepcopy(state.cache)
+        cols = [row[first : first + group] for row in answers]
+        scores.append(_continuation_logprobs(model, prompts, state.last_logits, cache, cols, encoder.pad_id))
+    return torch.cat(scores, dim=1)
+
+
+def _continuation_logprobs(
+    model: RecLM, prompts: PromptBatch, last_logits: torch.Tensor, cache: object, answers: list[list[list[int]]],
+    pad_id: int,
+) -> torch.Tensor:
+    """Log-likelihood of answers[b][g] after prompt b, [B, G]; `cache` (the prompts') is consumed."""
+    batch, group = len(answers), len(answers[0])
+    flat = [a for row in answers for a in row]
+    width = max(len(a) for a in flat)
     device = prompts.input_ids.device
-    tokens = torch.full((batch * num_cands, width), encoder.pad_id, dtype=torch.long)
-    mask = torch.zeros((batch * num_cands, width), dtype=torch.long)
-    for row, a in enumerate(answers):
+    tokens = torch.full((batch * group, width), pad_id, dtype=torch.long)
+    mask = torch.zeros((batch * group, width), dtype=torch.long)
+    for row, a in enumerate(flat):
         tokens[row, : len(a)] = torch.tensor(a)
         mask[row, : len(a)] = 1
     tokens, mask = tokens.to(device), mask.to(device)
-    cache = state.cache
-    cache.batch_repeat_interleave(num_cands)
+    cache.batch_repeat_interleave(group)
     # Token j is predicted by the prompt's last position (j = 0) or by token j-1, so the last
     # answer token never needs to be fed.
     fed = tokens[:, :-1]
-    attention = torch.cat([prompts.attention_mask.repeat_interleave(num_cands, 0), mask[:, :-1]], dim=1)
-    positions = prompts.lengths.repeat_interleave(num_cands).unsqueeze(1) + torch.arange(width - 1, device=device)
+    attention = torch.cat([prompts.attention_mask.repeat_interleave(group, 0), mask[:, :-1]], dim=1)
+    positions = prompts.lengths.repeat_interleave(group).unsqueeze(1) + torch.arange(width - 1, device=device)
     out = model(
         input_ids=fed, attention_mask=attention, slot_items=torch.zeros_like(fed),
         position_ids=positions, cache=cache, use_cache=True,
     )
-    logits = torch.cat([state.last_logits.repeat_interleave(num_cands, 0).unsqueeze(1), out.logits.float()], dim=1)
+    logits = torch.cat([last_logits.repeat_interleave(group, 0).unsqueeze(1), out.logits.float()], dim=1)
     logprobs = _token_logprobs(logits, tokens) * mask
-    return logprobs.sum(1).view(batch, num_cands)
+    return logprobs.sum(1).view(batch, group)
 
 
 @torch.no_grad()

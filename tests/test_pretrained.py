@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import c2kd.evaluate as evaluate_module
 from c2kd.cache_schema import TeacherCache
 from c2kd.evaluate import evaluate_reclm, left_pad, llara_candidate_scores
 from c2kd.pipeline.cache_teacher import CacheTeacherSettings, cache_teacher
@@ -112,7 +113,7 @@ def test_the_head_runs_only_where_it_is_read(pretrained, examples, item_head):
 
 
 @pytest.mark.parametrize("fmt", ["llara", "ids"])
-def test_teacher_end_to_end(pretrained, examples, fmt, tmp_path):
+def test_teacher_end_to_end(pretrained, examples, fmt, tmp_path, monkeypatch):
     _, loaded = pretrained
     model = _as_format(loaded, fmt)
     encoder = PromptEncoder(model.tokenizer, fmt, examples.titles())
@@ -157,6 +158,12 @@ def test_teacher_end_to_end(pretrained, examples, fmt, tmp_path):
         naive = [sum(float(logprobs[r, p - 1, e.input_ids[p]]) for p in range(e.prompt_length, len(e)))
                  for r, e in enumerate(full)]
         torch.testing.assert_close(got.flatten(), torch.tensor(naive), atol=2e-3, rtol=1e-4)
+        # under a memory budget the candidates go one per pass: the same scores
+        monkeypatch.setattr(evaluate_module, "CONTINUATION_ELEMENTS", 1)
+        batch_prompts = left_pad(prompts, encoder.pad_id, model.device)
+        assert evaluate_module.candidates_per_pass(model, 2, batch_prompts.input_ids.shape[1], 8, 3) == 1
+        one_by_one = llara_candidate_scores(model, encoder, batch_prompts, cands)
+        torch.testing.assert_close(one_by_one, got, atol=1e-4, rtol=1e-5)
     else:
         assert "full_catalog" in result
 

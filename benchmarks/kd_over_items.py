@@ -1,0 +1,76 @@
+"""`--kd-over items` against the paper's `vocab` on the real-LLM benchmark's SmolLM2 pair, paired by seed.
+
+    python benchmarks/kd_over_items.py --out runs/bench/real_llm --seeds 0 1 2 --json runs/bench/kd_over_items.json
+
+Builds (or reuses) the benchmark's data, SASRec seed 0, SmolLM2 teacher and cache with
+`real_llm.py`'s own commands and settings, then distils C2KD and logit-KD students with
+`--kd-over items` per seed. The `vocab` students are the benchmark's: read from the same folder
+where they exist, otherwise from its recorded summary, which is only valid when the rebuilt
+teacher's test metrics equal the recorded ones (checked; the script stops otherwise).
+Resumable like the benchmark: finished students are reused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from real_llm import METHODS, METRICS, Bench  # noqa: E402
+
+RECORDED = Path(__file__).parent / "results" / "real_llm_summary.json"
+FAMILY = "smollm2"
+COMPARED = ("C2KD", "logit KD")
+METRIC = ("candidates", "HR@1")
+
+
+def test_hr1(run: Path) -> float:
+    return json.loads((run / "distill.json").read_text())["metrics"]["test"][METRIC[0]][METRIC[1]]
+
+
+def vocab_hr1(bench: Bench, recorded: dict, method: str, seed: int) -> float:
+    run = bench.out / FAMILY / f"{method.replace(' ', '-')}-s{seed}"
+    if (run / "distill.json").exists():
+        return test_hr1(run)
+    return recorded["families"][FAMILY]["rows"][method]["/".join(METRIC)][seed]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("runs/bench/real_llm"), help="the real_llm.py folder")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--json", type=Path, required=True)
+    args = parser.parse_args()
+    recorded = json.loads(RECORDED.read_text())
+    settings = argparse.Namespace(**{**recorded["settings"], "out": args.out, "families": [FAMILY], "quick": False})
+    args.out.mkdir(parents=True, exist_ok=True)
+    bench = Bench(settings)
+    bench.data_and_sasrec(seeds=(0,))
+    bench.teacher(FAMILY)
+    test = json.loads((args.out / FAMILY / "teacher-test.json").read_text())
+    teacher = {f"{g}/{m}": test[g][m] for g, m in METRICS}
+    expected = {k: v[0] for k, v in recorded["families"][FAMILY]["rows"]["teacher"].items()}
+    if teacher != expected:
+        raise SystemExit(f"the rebuilt teacher's test metrics {teacher} differ from the recorded {expected}: the "
+                         "recorded vocab students do not belong to it; run real_llm.py in this folder first")
+    bench.run_jobs([bench.distill_job(FAMILY, f"{m} items", [*METHODS[m], "--kd-over", "items"], seed)
+                    for seed in args.seeds for m in COMPARED])
+    result: dict = {"teacher_test": teacher, "seeds": args.seeds, "commands": bench.commands, "methods": {}}
+    for method in COMPARED:
+        items = [test_hr1(args.out / FAMILY / f"{method.replace(' ', '-')}-items-s{s}") for s in args.seeds]
+        vocab = [vocab_hr1(bench, recorded, method, s) for s in args.seeds]
+        diffs = [i - v for i, v in zip(items, vocab)]
+        result["methods"][method] = {
+            "items": items, "vocab": vocab, "items - vocab": diffs, "mean difference": statistics.mean(diffs),
+            "std difference": statistics.stdev(diffs) if len(diffs) > 1 else None}
+        print(f"{method}: items {statistics.mean(items):.3f} vs vocab {statistics.mean(vocab):.3f} test HR@1; "
+              f"paired items - vocab {statistics.mean(diffs):+.3f} ({', '.join(f'{d:+.3f}' for d in diffs)})")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
