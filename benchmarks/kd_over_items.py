@@ -32,7 +32,7 @@ def test_hr1(run: Path) -> float:
 
 
 def vocab_hr1(bench: Bench, recorded: dict, method: str, seed: int) -> float:
-    run = bench.out / FAMILY / f"{method.replace(' ', '-')}-s{seed}"
+    run = bench.run_folder(FAMILY, method, seed)
     if (run / "distill.json").exists():
         return test_hr1(run)
     return recorded["families"][FAMILY]["rows"][method]["/".join(METRIC)][seed]
@@ -60,7 +60,7 @@ def main() -> None:
                     for seed in args.seeds for m in COMPARED])
     result: dict = {"teacher_test": teacher, "seeds": args.seeds, "commands": bench.commands, "methods": {}}
     for method in COMPARED:
-        items = [test_hr1(args.out / FAMILY / f"{method.replace(' ', '-')}-items-s{s}") for s in args.seeds]
+        items = [test_hr1(bench.run_folder(FAMILY, f"{method} items", s)) for s in args.seeds]
         vocab = [vocab_hr1(bench, recorded, method, s) for s in args.seeds]
         diffs = [i - v for i, v in zip(items, vocab)]
         result["methods"][method] = {

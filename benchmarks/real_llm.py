@@ -88,9 +88,15 @@ class Bench:
             run = self.out / f"sasrec-s{seed}"
             self.step(f"sasrec-s{seed}", run, ["train-sasrec", "--data", str(self.data), "--out", str(run), "--seed", str(seed)])
 
+    def quick(self) -> list[str]:
+        return ["--max-train", "64", "--max-val", "32"] if self.args.quick else []
+
     def common(self) -> list[str]:
-        quick = ["--max-train", "64", "--max-val", "32"] if self.args.quick else []
-        return ["--data", str(self.data), "--format", "ids", "--item-head", "hybrid", "--no-progress", *quick]
+        return ["--data", str(self.data), "--format", "ids", "--item-head", "hybrid", "--no-progress", *self.quick()]
+
+    def run_folder(self, name: str, label: str, seed: int) -> Path:
+        """Where the family's student `label` (a method, maybe with a suffix) of one seed lives."""
+        return self.out / name / f"{label.replace(' ', '-')}-s{seed}"
 
     def teacher(self, name: str) -> None:
         """The family's teacher fine-tuned, its test metrics, and the cache of its train split."""
@@ -114,13 +120,11 @@ class Bench:
 
     def distill_job(self, name: str, label: str, flags: list[str], seed: int, cache: str = "cache") -> tuple:
         """(step name, output folder, command) of one student distilled from the family's cache."""
-        root, keep = self.out / name, f"first:{FAMILIES[name]['keep']}"
-        run = root / f"{label.replace(' ', '-')}-s{seed}"
-        quick = ["--max-train", "64", "--max-val", "32"] if self.args.quick else []
+        root, keep, run = self.out / name, f"first:{FAMILIES[name]['keep']}", self.run_folder(name, label, seed)
         return (f"{name}/{label}-s{seed}", run, [
             "distill", "--cache", str(root / cache), "--data", str(self.data), "--out", str(run),
             "--student", FAMILIES[name]["alias"], "--shrink", keep, "--item-head", "hybrid", "--seed", str(seed),
-            "--no-progress", *flags, *self.student_args(), *quick])
+            "--no-progress", *flags, *self.student_args(), *self.quick()])
 
     def run_jobs(self, jobs: list[tuple]) -> None:
         with ThreadPoolExecutor(max_workers=2) as pool:  # small students: two at a time, one thread each

@@ -133,7 +133,8 @@ def llara_candidate_scores(
     group = candidates_per_pass(model, batch, prompts.input_ids.shape[1], width, num_cands)
     scores = []
     for first in range(0, num_cands, group):
-        cache = state.cache if group == num_cands else copy.deepcopy(state.cache)
+        last = first + group >= num_cands  # the last group may consume the prompts' cache itself
+        cache = state.cache if last else copy.deepcopy(state.cache)
         cols = [row[first : first + group] for row in answers]
         scores.append(_continuation_logprobs(model, prompts, state.last_logits, cache, cols, encoder.pad_id))
     return torch.cat(scores, dim=1)
