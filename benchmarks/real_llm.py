@@ -106,13 +106,17 @@ class Bench:
             "train-teacher", *self.common(), "--sasrec", str(self.sasrec), "--out", str(root / "teacher"),
             "--model", fam["alias"], "--lr", str(a.teacher_lr),
             "--epochs", str(1 if a.quick else a.teacher_epochs or fam["teacher_epochs"]), "--batch-size", "32",
-            "--checkpoint-every", "25"])
+            "--checkpoint-every", "25", *self.history_loss()])
         self.step(f"{name}/teacher-test", root / "teacher-test.json", [
             "evaluate", "--model", str(root / "teacher"), "--data", str(self.data), "--split", "test",
             "--out", str(root / "teacher-test.json")])
         self.step(f"{name}/cache", root / "cache" / "manifest.json", [
             "cache-teacher", "--teacher", str(root / "teacher"), "--data", str(self.data), "--out", str(root / "cache"),
             "--splits", "train", "--no-progress"])
+
+    def history_loss(self) -> list[str]:
+        """The teacher's next-history-item loss weight, when the run asks for one."""
+        return ["--history-loss", str(self.args.history_loss)] if self.args.history_loss else []
 
     def student_args(self) -> list[str]:
         a = self.args
@@ -125,6 +129,13 @@ class Bench:
             "distill", "--cache", str(root / cache), "--data", str(self.data), "--out", str(run),
             "--student", FAMILIES[name]["alias"], "--shrink", keep, "--item-head", "hybrid", "--seed", str(seed),
             "--no-progress", *flags, *self.student_args(), *self.quick()])
+
+    def alone_job(self, name: str, label: str, seed: int, flags: list[str] | None = None) -> tuple:
+        """(step name, output folder, command) of one student trained alone (`train-teacher --shrink`)."""
+        fam, run = FAMILIES[name], self.run_folder(name, label, seed)
+        return (f"{name}/{label}-s{seed}", run, [
+            "train-teacher", *self.common(), "--sasrec", str(self.sasrec), "--out", str(run), "--model", fam["alias"],
+            "--shrink", f"first:{fam['keep']}", "--seed", str(seed), *self.student_args(), *(flags or [])])
 
     def run_jobs(self, jobs: list[tuple]) -> None:
         with ThreadPoolExecutor(max_workers=2) as pool:  # small students: two at a time, one thread each
@@ -143,10 +154,9 @@ class Bench:
             "--no-progress"])
         jobs = []
         for seed in fam["seeds"][: 1 if a.quick else num_seeds]:
-            run = root / f"student-alone-s{seed}"
-            jobs.append((f"{name}/student-alone-s{seed}", run, [
-                "train-teacher", *self.common(), "--sasrec", str(self.sasrec), "--out", str(run), "--model", fam["alias"],
-                "--shrink", f"first:{fam['keep']}", "--seed", str(seed), *self.student_args()]))
+            jobs.append(self.alone_job(name, "student-alone", seed))
+            if a.history_loss:  # the teacher's objective given to the student alone too
+                jobs.append(self.alone_job(name, "student-alone-history", seed, self.history_loss()))
             for method in TRAIN_ORDER:  # C2KD right after SFT: a run cut short still compares them
                 cache = "cache-uniform" if method == "feature KD" else "cache"
                 jobs.append(self.distill_job(name, method, METHODS[method], seed, cache))
@@ -201,7 +211,8 @@ class Bench:
             fam: dict = {"rows": {}}
             teacher = json.loads((root / "teacher-test.json").read_text())
             fam["rows"]["teacher"] = {f"{g}/{m}": [teacher[g][m]] for g, m in METRICS}
-            runs = {"student alone": ("student-alone", "train.json")}
+            runs = {"student alone": ("student-alone", "train.json"),
+                    "student alone, history loss": ("student-alone-history", "train.json")}
             runs.update({m: (m.replace(" ", "-"), "distill.json") for m in METHODS})
             for label, (prefix, record) in runs.items():
                 done = [root / f"{prefix}-s{s}" for s in seeds if (root / f"{prefix}-s{s}" / record).exists()]
@@ -225,11 +236,11 @@ class Bench:
         """Test metrics of the students trained alone (train-teacher selects on validation only)."""
         for name in self.args.families:
             for seed in FAMILIES[name]["seeds"]:
-                run = self.out / name / f"student-alone-s{seed}"
-                if (run / "train.json").exists():
-                    self.step(f"{name}/student-alone-s{seed}-test", run / "metrics-test.json", [
-                        "evaluate", "--model", str(run), "--data", str(self.data), "--split", "test",
-                        "--out", str(run / "metrics-test.json")])
+                for run in (self.run_folder(name, label, seed) for label in ("student-alone", "student-alone-history")):
+                    if (run / "train.json").exists():
+                        self.step(f"{name}/{run.name}-test", run / "metrics-test.json", [
+                            "evaluate", "--model", str(run), "--data", str(self.data), "--split", "test",
+                            "--out", str(run / "metrics-test.json")])
 
 
 def goals(sasrec: dict, rows: dict) -> dict:
@@ -291,6 +302,8 @@ def main() -> None:
     parser.add_argument("--teacher-epochs", type=int, default=None, help="default: the family's (see FAMILIES)")
     parser.add_argument("--student-lr", type=float, default=1e-3)
     parser.add_argument("--student-epochs", type=int, default=3)
+    parser.add_argument("--history-loss", type=float, default=0.0, help="the teacher's next-history-item loss weight "
+                        "(train-teacher --history-loss); the students alone are also trained with it, as an extra row")
     parser.add_argument("--max-seeds", type=int, default=3, help="train at most this many seeds per family now "
                         "(a later run without it adds the rest)")
     parser.add_argument("--quick", action="store_true", help="a smoke run on tiny subsets (the numbers mean nothing)")

@@ -261,6 +261,7 @@ def train_teacher_cmd(
     lora_r: Optional[int] = typer.Option(None, "--lora-r", help="Train LoRA adapters of this rank (plus item-token rows and projector) instead of all weights."),
     lora_alpha: Optional[float] = typer.Option(None, "--lora-alpha", help="LoRA alpha (default 2 x rank)."),
     lora_dropout: float = typer.Option(0.05, "--lora-dropout", help="Dropout on the LoRA inputs."),
+    history_loss: float = typer.Option(0.0, "--history-loss", help="ids: also train every history item token to name the next history item (SASRec's every-position objective), with this weight."),
     epochs: Epochs = None, max_steps: MaxSteps = None, batch_size: BatchSize = None, grad_accum: GradAccum = None,
     lr: Lr = None, weight_decay: WeightDecay = None, warmup_ratio: WarmupRatio = None, max_grad_norm: MaxGradNorm = None,
     checkpoint_every: CheckpointEvery = None, eval_every: EvalEvery = None, seed: Seed = None, bf16: Bf16 = False,
@@ -278,6 +279,7 @@ def train_teacher_cmd(
         recipe = TeacherRecipe(
             fmt=fmt, model=model, shrink=shrink, item_head=item_head, max_train=max_train, max_val=max_val,
             lora=LoraSettings(r=lora_r, alpha=lora_alpha, dropout=lora_dropout) if lora_r is not None else None,
+            history_loss=history_loss,
         )
         config = _train_config(epochs=epochs, max_steps=max_steps, batch_size=batch_size, grad_accum=grad_accum, lr=lr,
                                weight_decay=weight_decay, warmup_ratio=warmup_ratio, max_grad_norm=max_grad_norm,

@@ -2,7 +2,9 @@
 
 - Ranking of the 20 stored candidates by the model's own scores: for `ids` the item-token logit
   at the answer position (one forward pass; the head runs on the item tokens' rows only, and the
-  same scores rank the full catalog too), for
+  same scores rank the full catalog too; that prompt lists the 20 candidates, target included,
+  so a model can rank the catalog by copying from it: SASRec's full-catalog metrics see no
+  candidates), for
   `llara` the log-likelihood of each candidate's answer tokens (title + eos) given the prompt.
   The prompt runs once per example; its KV cache is repeated for the continuations, as many
   candidates at a time as a memory budget allows.

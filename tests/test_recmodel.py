@@ -13,7 +13,7 @@ from c2kd.errors import C2KDError, DataError
 from c2kd.recmodel.layers import late_layers
 from c2kd.recmodel.model import RecLM
 from c2kd.recmodel.presets import PRESETS, get_preset
-from c2kd.recmodel.prompts import IGNORE, PromptEncoder, answer_mask, collate, encode_frame
+from c2kd.recmodel.prompts import IGNORE, PromptEncoder, answer_mask, collate, encode_frame, next_history_items
 from c2kd.recmodel.tokenizer import SLOT, add_item_tokens, build_word_tokenizer, item_token
 
 TITLES = ["", "Toy Story", "GoldenEye", "Four Rooms", "Schindler's List", "Star Wars", "Usual Suspects"] + [
@@ -208,6 +208,42 @@ def test_loss_counts_answer_tokens_only(tokenizer, item_embeddings, fmt):
     torch.testing.assert_close(out.loss, manual)
     # the prompt tokens do not matter to the loss once they are labelled -100 ...
     assert mask.sum() == sum(len(enc.answer_ids(t)) for t in (5, 30))
+
+
+def test_next_history_items_name_the_following_history_item(tokenizer):
+    enc = PromptEncoder(tokenizer, "ids", TITLES)
+    examples, batch = _batch(enc)
+    targets = next_history_items(batch["slot_items"])
+    for row, (history, candidates) in enumerate([([1, 2, 3], range(4, 24)), ([4, 5, 6, 7, 8], range(11, 31))]):
+        at = targets[row] > 0
+        # the history's item tokens but its last, each naming the item after it; nothing in the candidates
+        assert targets[row][at].tolist() == history[1:]
+        assert batch["slot_items"][row][at].tolist() == history[:-1]
+        assert batch["input_ids"][row][at].tolist() == [enc.item_token_ids[i] for i in history[:-1]]
+
+
+def test_item_loss_is_catalog_cross_entropy_at_the_labelled_positions(tokenizer, item_embeddings):
+    model = RecLM.from_preset("micro", tokenizer, item_embeddings, "ids", seed=3, item_head="hybrid")
+    _, batch = _batch(PromptEncoder(tokenizer, "ids", TITLES))
+    item_labels = next_history_items(batch["slot_items"])
+    out = model(**batch, item_labels=item_labels)
+    with torch.no_grad():
+        h = model.decode(batch["input_ids"], batch["attention_mask"], batch["slot_items"]).last_hidden_state
+        at = item_labels > 0
+        manual = F.cross_entropy(model.item_scores(h[at]), item_labels[at])
+    torch.testing.assert_close(out.item_loss, manual)
+    torch.testing.assert_close(out.loss, model(**batch).loss)  # the answer loss is unchanged
+    # causal: a history position's loss does not see the items after it
+    changed = dict(batch, input_ids=batch["input_ids"].clone(), slot_items=batch["slot_items"].clone())
+    last = int(at[0].nonzero().max()) + 1  # the last history item of row 0: no label reads beyond it
+    changed["slot_items"][0, last + 3] = 9
+    changed["input_ids"][0, last + 3] = PromptEncoder(tokenizer, "ids", TITLES).item_token_ids[9]
+    with torch.no_grad():
+        h2 = model.decode(changed["input_ids"], changed["attention_mask"], changed["slot_items"]).last_hidden_state
+    torch.testing.assert_close(h2[0, : last + 1], h[0, : last + 1])
+    llara = RecLM.from_preset("micro", tokenizer, item_embeddings, "llara")
+    with pytest.raises(C2KDError, match="ids"):
+        llara(**collate(_batch(PromptEncoder(tokenizer, "llara", TITLES))[0], 0), item_labels=item_labels)
 
 
 def test_hidden_states_layout(tokenizer, item_embeddings):

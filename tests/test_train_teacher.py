@@ -129,6 +129,16 @@ def test_llara_format_trains(tiny_examples_dir, sasrec_run, tmp_path):
     assert RecLM.load(tmp_path / "llara").spec.format == "llara"
 
 
+def test_history_loss_trains_and_logs_both_terms(tiny_examples_dir, sasrec_run, tmp_path):
+    recipe = TeacherRecipe(fmt="ids", model="micro", max_train=16, max_val=8, history_loss=0.5)
+    record = train_teacher(tiny_examples_dir, sasrec_run, tmp_path / "h", recipe, dict(FAST_CONFIG, epochs=1))
+    assert record["final_step"] == 2
+    log = [json.loads(line) for line in (tmp_path / "h" / "log.jsonl").read_text().splitlines()]
+    step = next(r for r in log if r["kind"] == "train")
+    assert step["loss"] == pytest.approx(step["answer"] + 0.5 * step["history"], rel=1e-5)
+    assert step["history"] > 0
+
+
 def test_clear_errors(tiny_examples_dir, sasrec_run, tmp_path):
     runner = CliRunner()
     base = ["train-teacher", "--data", str(tiny_examples_dir), "--sasrec", str(sasrec_run), "--out", str(tmp_path / "x")]
@@ -137,6 +147,8 @@ def test_clear_errors(tiny_examples_dir, sasrec_run, tmp_path):
         (["--model", "micro", "--format", "text"], "unknown prompt format"),
         (["--model", "micro", "--eval-every", "often"], "--eval-every"),
         (["--model", "micro", "--batch-size", "0"], "batch_size must be >= 1"),
+        (["--model", "micro", "--format", "llara", "--history-loss", "1"], "--history-loss"),
+        (["--model", "micro", "--history-loss", "-1"], "--history-loss must be >= 0"),
     ]:
         result = runner.invoke(app, base + extra)
         assert result.exit_code == 1 and message in result.output, result.output

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ from c2kd.pipeline.sasrec import check_fingerprint, load_item_embeddings, read_r
 from c2kd.recmodel.build import build_model as build_reclm
 from c2kd.recmodel.build import check_source
 from c2kd.recmodel.model import RecLM
-from c2kd.recmodel.prompts import EncodedExample, PromptEncoder, check_format, collate, encode_frame
+from c2kd.recmodel.prompts import EncodedExample, PromptEncoder, check_format, collate, encode_frame, next_history_items
 from c2kd.recmodel.tokenizer import build_word_tokenizer
 from c2kd.run_folder import check_or_write_recipe, claim, finished_run, publish
 from c2kd.training import ExampleBatches, TrainConfig, TrainResult, comparable_config, train
@@ -75,9 +76,14 @@ class TeacherRecipe:
     max_val: int | None = None  # the first N validation examples for model selection
     select_metric: str = DEFAULT_SELECT_METRIC
     eval_batch_size: int = 32
+    history_loss: float = 0.0  # weight of the next-history-item loss (ids), SASRec's every-position objective
 
     def __post_init__(self) -> None:
         check_format(self.fmt)
+        if self.history_loss < 0:
+            raise C2KDError(f"--history-loss must be >= 0, got {self.history_loss}")
+        if self.history_loss and self.fmt != "ids":
+            raise C2KDError("--history-loss trains item tokens to name the next history item: it needs --format ids")
         check_source(self.model, self.shrink, self.item_head, self.fmt)
         for name in ("max_train", "max_val"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
@@ -120,6 +126,15 @@ def answer_loss(model: nn.Module, batch: dict) -> dict[str, torch.Tensor]:
     return {"loss": model(**batch).loss}
 
 
+def answer_and_history_loss(weight: float) -> Callable[[nn.Module, dict], dict[str, torch.Tensor]]:
+    """The answer loss + `weight` x the cross-entropy of every history item token naming the next
+    history item over the catalog (`next_history_items`)."""
+    def loss_fn(model: nn.Module, batch: dict) -> dict[str, torch.Tensor]:
+        out = model(**batch, item_labels=next_history_items(batch["slot_items"]))
+        return {"loss": out.loss + weight * out.item_loss, "answer": out.loss, "history": out.item_loss}
+    return loss_fn
+
+
 def train_teacher(
     data: str | Path | ExampleSet,
     sasrec: str | Path,
@@ -159,7 +174,8 @@ def train_teacher(
     evaluator = RecLMEvaluator(examples, "validation", limit=recipe.max_val, batch_size=recipe.eval_batch_size,
                                generation=False, full_catalog=False, progress=False)
     source = ExampleBatches(train_data, lambda batch: collate(batch, pad_id), config.batch_size, config.seed)
-    result: TrainResult = train(model, answer_loss, source, evaluator, recipe.select_metric, config)
+    loss_fn = answer_and_history_loss(recipe.history_loss) if recipe.history_loss else answer_loss
+    result: TrainResult = train(model, loss_fn, source, evaluator, recipe.select_metric, config)
     record = {
         "kind": TRAIN_KIND, "version": TRAIN_VERSION, "recipe": RECIPE,
         "format": recipe.fmt,

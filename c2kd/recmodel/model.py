@@ -87,12 +87,14 @@ class RecLMSpec:
 class RecLMOutput:
     """`logits`: [N, V] at the N answer positions (batch-major) when labels were given, else
     [B, T or logits_to_keep, V]. `loss`: cross-entropy on the answer tokens (L_LM).
-    `hidden_states[l]`: output of layer l (index L is final-normed), when asked."""
+    `hidden_states[l]`: output of layer l (index L is final-normed), when asked. `item_loss`:
+    cross-entropy over the catalog where `item_labels` named an item (`ids`)."""
 
     logits: Tensor | None
     loss: Tensor | None = None
     hidden_states: tuple[Tensor, ...] | None = None
     cache: Any = None
+    item_loss: Tensor | None = None
 
 
 class RecLM(nn.Module):
@@ -332,9 +334,12 @@ class RecLM(nn.Module):
         cache: Any = None,
         use_cache: bool = False,
         logits_to_keep: int = 0,
+        item_labels: Tensor | None = None,
     ) -> RecLMOutput:
         """With `labels` the head runs at the answer positions only (labels[p + 1] != -100) and the
         loss is their cross-entropy; without, at the last `logits_to_keep` positions (0 = all).
+        `item_labels` [B, T] (`ids`): positions p with item_labels[p] > 0 are also scored over the
+        catalog's item rows (`item_scores`) against that item, as `item_loss`.
         `position_ids`, `cache` and `use_cache` serve incremental decoding."""
         out = self.decode(input_ids, attention_mask, slot_items, position_ids=position_ids, cache=cache,
                           use_cache=use_cache, output_hidden_states=output_hidden_states)
@@ -347,7 +352,13 @@ class RecLM(nn.Module):
             loss = F.cross_entropy(logits.float(), targets)
         else:
             logits = self.head_logits(h[:, -logits_to_keep:] if logits_to_keep else h)
-        return RecLMOutput(logits, loss, out.hidden_states, out.cache if use_cache else None)
+        item_loss = None
+        if item_labels is not None:
+            if self.spec.format != "ids":
+                raise C2KDError("item_labels score item tokens; they need the ids prompt format")
+            at = item_labels > 0
+            item_loss = F.cross_entropy(self.item_scores(h[at]).float(), item_labels[at]) if bool(at.any()) else h.sum() * 0
+        return RecLMOutput(logits, loss, out.hidden_states, out.cache if use_cache else None, item_loss)
 
     # -- views used by caches and losses -----------------------------------------------------
     def base_lm(self) -> PreTrainedModel:

@@ -196,6 +196,22 @@ def collate(examples: Sequence[EncodedExample], pad_id: int, with_example_ids: b
     return batch
 
 
+def next_history_items(slot_items: torch.Tensor) -> torch.Tensor:
+    """`ids` prompts: [B, T] the history item that follows each history item token, 0 elsewhere.
+
+    Training position p (history item k) to name item k + 1 is SASRec's every-position objective;
+    causal attention keeps it from seeing anything after item k. The history is the first run of
+    item tokens (the `candidates :` text ends it)."""
+    is_item = slot_items > 0
+    starts = is_item.clone()
+    starts[:, 1:] &= ~is_item[:, :-1]
+    in_history = (torch.cumsum(starts.long(), 1) == 1) & is_item
+    out = torch.zeros_like(slot_items)
+    follows = in_history[:, :-1] & in_history[:, 1:]
+    out[:, :-1] = torch.where(follows, slot_items[:, 1:], torch.zeros_like(slot_items[:, 1:]))
+    return out
+
+
 def answer_mask(labels: torch.Tensor) -> torch.Tensor:
     """Bool [B, T]: positions whose logits predict an answer token (labels[p+1] != -100)."""
     out = torch.zeros_like(labels, dtype=torch.bool)

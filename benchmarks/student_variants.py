@@ -1,0 +1,89 @@
+"""A student recipe variant against the real-LLM benchmark's own students, paired by seed (SmolLM2 pair).
+
+    python benchmarks/student_variants.py --variant items --out runs/bench/real_llm --seeds 0 1 2 --json runs/bench/kd_over_items.json
+    python benchmarks/student_variants.py --variant 6-epochs --methods "SFT from cache" C2KD "logit KD" ...
+
+Variants (VARIANTS): `items` = `--kd-over items` against the paper's `vocab`; `6-epochs` = twice
+the benchmark's 3 student epochs. Builds (or reuses) the benchmark's data, SASRec seed 0, SmolLM2
+teacher and cache with `real_llm.py`'s own commands and settings, then distils the variant's
+students per method and seed. The baseline students are the benchmark's: read from the same
+folder where they exist, otherwise from its recorded summary, which is only valid when the
+rebuilt teacher's test metrics equal the recorded ones (checked; the script stops otherwise).
+Resumable like the benchmark: finished students are reused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from real_llm import METHODS, METRICS, Bench  # noqa: E402
+
+RECORDED = Path(__file__).parent / "results" / "real_llm_summary.json"
+FAMILY = "smollm2"
+METRIC = ("candidates", "HR@1")
+# name: (flags added to the benchmark's distill command, the methods compared by default)
+VARIANTS = {
+    "items": (["--kd-over", "items"], ("C2KD", "logit KD")),
+    "6-epochs": (["--epochs", "6"], ("SFT from cache", "C2KD", "logit KD")),  # the last --epochs wins
+}
+
+
+def test_hr1(run: Path) -> float:
+    return json.loads((run / "distill.json").read_text())["metrics"]["test"][METRIC[0]][METRIC[1]]
+
+
+def baseline_hr1(bench: Bench, recorded: dict, method: str, seed: int) -> float:
+    run = bench.run_folder(FAMILY, method, seed)
+    if (run / "distill.json").exists():
+        return test_hr1(run)
+    return recorded["families"][FAMILY]["rows"][method]["/".join(METRIC)][seed]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("runs/bench/real_llm"), help="the real_llm.py folder")
+    parser.add_argument("--variant", choices=list(VARIANTS), required=True)
+    parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=None, help="default: the variant's")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--json", type=Path, required=True)
+    args = parser.parse_args()
+    recorded = json.loads(RECORDED.read_text())
+    # the recorded run predates --history-loss: its teacher had none
+    settings = argparse.Namespace(**{"history_loss": 0.0, **recorded["settings"], "out": args.out, "families": [FAMILY],
+                                     "quick": False})
+    args.out.mkdir(parents=True, exist_ok=True)
+    bench = Bench(settings)
+    bench.data_and_sasrec(seeds=(0,))
+    bench.teacher(FAMILY)
+    test = json.loads((args.out / FAMILY / "teacher-test.json").read_text())
+    teacher = {f"{g}/{m}": test[g][m] for g, m in METRICS}
+    expected = {k: v[0] for k, v in recorded["families"][FAMILY]["rows"]["teacher"].items()}
+    if teacher != expected:
+        raise SystemExit(f"the rebuilt teacher's test metrics {teacher} differ from the recorded {expected}: the "
+                         "recorded vocab students do not belong to it; run real_llm.py in this folder first")
+    flags, default_methods = VARIANTS[args.variant]
+    methods = args.methods or default_methods
+    bench.run_jobs([bench.distill_job(FAMILY, f"{m} {args.variant}", [*METHODS[m], *flags], seed)
+                    for seed in args.seeds for m in methods])
+    result: dict = {"variant": args.variant, "flags": flags, "teacher_test": teacher, "seeds": args.seeds,
+                    "commands": bench.commands, "methods": {}}
+    for method in methods:
+        variant = [test_hr1(bench.run_folder(FAMILY, f"{method} {args.variant}", s)) for s in args.seeds]
+        baseline = [baseline_hr1(bench, recorded, method, s) for s in args.seeds]
+        diffs = [v - b for v, b in zip(variant, baseline)]
+        result["methods"][method] = {
+            args.variant: variant, "baseline": baseline, "variant - baseline": diffs,
+            "mean difference": statistics.mean(diffs), "std difference": statistics.stdev(diffs) if len(diffs) > 1 else None}
+        print(f"{method}: {args.variant} {statistics.mean(variant):.3f} vs baseline {statistics.mean(baseline):.3f} "
+              f"test HR@1; paired difference {statistics.mean(diffs):+.3f} ({', '.join(f'{d:+.3f}' for d in diffs)})")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
