@@ -128,7 +128,7 @@ class Bench:
         return (f"{name}/{label}-s{seed}", run, [
             "distill", "--cache", str(root / cache), "--data", str(self.data), "--out", str(run),
             "--student", FAMILIES[name]["alias"], "--shrink", keep, "--item-head", "hybrid", "--seed", str(seed),
-            "--no-progress", *flags, *self.student_args(), *self.quick()])
+            "--no-progress", *self.student_args(), *flags, *self.quick()])  # flags last: they may override
 
     def alone_job(self, name: str, label: str, seed: int, flags: list[str] | None = None) -> tuple:
         """(step name, output folder, command) of one student trained alone (`train-teacher --shrink`)."""
