@@ -177,7 +177,7 @@ class Bench:
             "from c2kd.recmodel.model import RecLM\n"
             f"ex = load_examples({str(self.data)!r}); test = ex.split('test')\n"
             f"models = {{'teacher': RecLM.load({str(root / 'teacher')!r}).eval(), "
-            f"'student': RecLM.load({str(root / 'student-alone-s0')!r}).eval()}}\n"  # every student has this shape
+            f"'student': RecLM.load({str(self.run_folder(name, 'student-alone', 0))!r}).eval()}}\n"  # every student has this shape
             "reqs = {k: reclm_request(m, test, ex.titles()) for k, m in models.items()}\n"
             f"ms = interleaved_latency(reqs, {10 if self.args.quick else 100})\n"
             "out = {k: {'latency_ms': ms[k], 'non_embedding_parameters': m.non_embedding_parameters(),\n"
@@ -213,9 +213,9 @@ class Bench:
             fam["rows"]["teacher"] = {f"{g}/{m}": [teacher[g][m]] for g, m in METRICS}
             runs = {"student alone": ("student-alone", "train.json"),
                     "student alone, history loss": ("student-alone-history", "train.json")}
-            runs.update({m: (m.replace(" ", "-"), "distill.json") for m in METHODS})
-            for label, (prefix, record) in runs.items():
-                done = [root / f"{prefix}-s{s}" for s in seeds if (root / f"{prefix}-s{s}" / record).exists()]
+            runs.update({m: (m, "distill.json") for m in METHODS})
+            for label, (folder, record) in runs.items():
+                done = [run for run in (self.run_folder(name, folder, s) for s in seeds) if (run / record).exists()]
                 if done:
                     if record == "train.json":
                         metrics = [json.loads((d / "metrics-test.json").read_text()) for d in done

@@ -207,8 +207,7 @@ def next_history_items(slot_items: torch.Tensor) -> torch.Tensor:
     starts[:, 1:] &= ~is_item[:, :-1]
     in_history = (torch.cumsum(starts.long(), 1) == 1) & is_item
     out = torch.zeros_like(slot_items)
-    follows = in_history[:, :-1] & in_history[:, 1:]
-    out[:, :-1] = torch.where(follows, slot_items[:, 1:], torch.zeros_like(slot_items[:, 1:]))
+    out[:, :-1] = slot_items[:, 1:] * (in_history[:, :-1] & in_history[:, 1:])
     return out
 
 
