@@ -142,24 +142,32 @@ class Bench:
             for done in [pool.submit(self.step, n, o, c, 1) for n, o, c in jobs]:
                 done.result()
 
-    def family(self, name: str, num_seeds: int) -> None:
-        a, fam, root = self.args, FAMILIES[name], self.out / name
-        self.teacher(name)
-        # Feature KD pairs student layer i with teacher layer round(i·L_t/L_s): early layers the
-        # default (late-layer) cache does not hold, so they get a cache of their own.
+    def uniform_cache(self, name: str) -> None:
+        """Feature KD pairs student layer i with teacher layer round(i·L_t/L_s): early layers the
+        default (late-layer) cache does not hold, so they get a cache of their own."""
+        fam, root = FAMILIES[name], self.out / name
         uniform = sorted(set(uniform_layer_map(fam["keep"], fam["layers"], range(1, fam["layers"] + 1)).values()))
         self.step(f"{name}/cache-uniform", root / "cache-uniform" / "manifest.json", [
             "cache-teacher", "--teacher", str(root / "teacher"), "--data", str(self.data),
             "--out", str(root / "cache-uniform"), "--splits", "train", "--layers", ",".join(map(str, uniform)),
             "--no-progress"])
+
+    @staticmethod
+    def cache_for(method: str) -> str:
+        """The cache folder (in the family's) a method's students read."""
+        return "cache-uniform" if method == "feature KD" else "cache"
+
+    def family(self, name: str, num_seeds: int) -> None:
+        a, fam = self.args, FAMILIES[name]
+        self.teacher(name)
+        self.uniform_cache(name)
         jobs = []
         for seed in fam["seeds"][: 1 if a.quick else num_seeds]:
             jobs.append(self.alone_job(name, "student-alone", seed))
             if a.history_loss:  # the teacher's objective given to the student alone too
                 jobs.append(self.alone_job(name, "student-alone-history", seed, self.history_loss()))
             for method in TRAIN_ORDER:  # C2KD right after SFT: a run cut short still compares them
-                cache = "cache-uniform" if method == "feature KD" else "cache"
-                jobs.append(self.distill_job(name, method, METHODS[method], seed, cache))
+                jobs.append(self.distill_job(name, method, METHODS[method], seed, self.cache_for(method)))
         self.run_jobs(jobs)
 
     def timed(self, name: str) -> None:

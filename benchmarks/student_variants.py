@@ -9,7 +9,9 @@ teacher and cache with `real_llm.py`'s own commands and settings, then distils t
 students per method and seed. The baseline students are the benchmark's: read from the same
 folder where they exist, otherwise from its recorded summary, which is only valid when the
 rebuilt teacher's test metrics equal the recorded ones (checked; the script stops otherwise).
-Resumable like the benchmark: finished students are reused.
+The JSON holds the paired differences, and the benchmark's table and goals with the variant's
+students in place of its own (printed as markdown too). Resumable like the benchmark: finished
+students are reused.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from real_llm import METHODS, METRICS, Bench  # noqa: E402
+from real_llm import METHODS, METRICS, Bench, goals, markdown  # noqa: E402
 
 RECORDED = Path(__file__).parent / "results" / "real_llm_summary.json"
 FAMILY = "smollm2"
@@ -33,14 +35,15 @@ VARIANTS = {
 }
 
 
-def test_hr1(run: Path) -> float:
-    return json.loads((run / "distill.json").read_text())["metrics"]["test"][METRIC[0]][METRIC[1]]
+def test_metrics(run: Path) -> dict[str, float]:
+    test = json.loads((run / "distill.json").read_text())["metrics"]["test"]
+    return {f"{g}/{m}": test[g][m] for g, m in METRICS}
 
 
 def baseline_hr1(bench: Bench, recorded: dict, method: str, seed: int) -> float:
     run = bench.run_folder(FAMILY, method, seed)
     if (run / "distill.json").exists():
-        return test_hr1(run)
+        return test_metrics(run)["/".join(METRIC)]
     return recorded["families"][FAMILY]["rows"][method]["/".join(METRIC)][seed]
 
 
@@ -68,12 +71,19 @@ def main() -> None:
                          "recorded vocab students do not belong to it; run real_llm.py in this folder first")
     flags, default_methods = VARIANTS[args.variant]
     methods = args.methods or default_methods
-    bench.run_jobs([bench.distill_job(FAMILY, f"{m} {args.variant}", [*METHODS[m], *flags], seed)
+    if "feature KD" in methods:
+        bench.uniform_cache(FAMILY)
+    bench.run_jobs([bench.distill_job(FAMILY, f"{m} {args.variant}", [*METHODS[m], *flags], seed, bench.cache_for(m))
                     for seed in args.seeds for m in methods])
+    # The benchmark's table and goals with the variant's students (the teacher is the recorded one).
+    rows = {"teacher": recorded["families"][FAMILY]["rows"]["teacher"]}
+    for method in methods:
+        runs = [test_metrics(bench.run_folder(FAMILY, f"{method} {args.variant}", s)) for s in args.seeds]
+        rows[method] = {k: [r[k] for r in runs] for k in runs[0]}
     result: dict = {"variant": args.variant, "flags": flags, "teacher_test": teacher, "seeds": args.seeds,
                     "commands": bench.commands, "methods": {}}
     for method in methods:
-        variant = [test_hr1(bench.run_folder(FAMILY, f"{method} {args.variant}", s)) for s in args.seeds]
+        variant = rows[method]["/".join(METRIC)]
         baseline = [baseline_hr1(bench, recorded, method, s) for s in args.seeds]
         diffs = [v - b for v, b in zip(variant, baseline)]
         result["methods"][method] = {
@@ -81,6 +91,10 @@ def main() -> None:
             "mean difference": statistics.mean(diffs), "std difference": statistics.stdev(diffs) if len(diffs) > 1 else None}
         print(f"{method}: {args.variant} {statistics.mean(variant):.3f} vs baseline {statistics.mean(baseline):.3f} "
               f"test HR@1; paired difference {statistics.mean(diffs):+.3f} ({', '.join(f'{d:+.3f}' for d in diffs)})")
+    if "SFT from cache" in rows:  # the same training as `train-teacher --shrink` (README: they agree to the digit)
+        rows = {"teacher": rows["teacher"], "student alone": rows["SFT from cache"], **rows}
+    result["rows"], result["goals"] = rows, goals(recorded["sasrec"], rows)
+    print(markdown({"sasrec": recorded["sasrec"], "families": {FAMILY: {"rows": rows, "goals": result["goals"]}}}))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2) + "\n")
 
