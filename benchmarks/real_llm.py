@@ -12,6 +12,8 @@ Every step is one `c2kd` command writing its own folder and is skipped when its 
 the commands resume on their own, so a run cut short continues where it stopped. Steps run one
 at a time, the students two at a time with one thread each; the timed steps (latency, the head
 step ratio) run last. Writes summary.json (every number, the commands, the goals) and summary.md.
+timings.json keeps each finished step's seconds and the tier's wall time summed over resumed
+runs (a run cut short counts up to its last finished step).
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 from c2kd.student.c2kd_modules import uniform_layer_map
@@ -64,8 +68,37 @@ def _done(output: Path) -> bool:
     return output.exists()
 
 
+def flat_metrics(split_metrics: dict) -> dict[str, float]:
+    """One split's metrics as {"group/metric": value} over METRICS."""
+    return {f"{g}/{m}": split_metrics[g][m] for g, m in METRICS}
+
+
+def student_test_metrics(run: Path) -> dict[str, float]:
+    """A distilled student's test metrics (its distill.json), flattened."""
+    return flat_metrics(json.loads((run / "distill.json").read_text())["metrics"]["test"])
+
+
 def mean_std(values: list[float]) -> str:
     return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}" if len(values) > 1 else f"{values[0]:.3f}"
+
+
+class StepClock:
+    """Seconds per finished step and the wall time of the whole tier, summed over resumed runs, in
+    OUT/timings.json; a step skipped because its output exists costs nothing and is not re-timed."""
+
+    def __init__(self, path: Path):
+        self.path, self.lock, self.started = path, threading.Lock(), time.perf_counter()
+        self.record = json.loads(path.read_text()) if path.exists() else {"wall_s": 0.0, "steps_s": {}}
+        self.before = self.record["wall_s"]
+
+    @contextmanager
+    def timing(self, name: str):
+        start = time.perf_counter()
+        yield
+        with self.lock:
+            self.record["steps_s"][name] = round(time.perf_counter() - start, 1)
+            self.record["wall_s"] = round(self.before + time.perf_counter() - self.started, 1)
+            self.path.write_text(json.dumps(self.record, indent=2) + "\n")
 
 
 class Bench:
@@ -74,13 +107,15 @@ class Bench:
         self.data, self.sasrec = self.out / "data", self.out / "sasrec-s0"
         self.commands: dict[str, list[str]] = {}
         self.log = self.out / "commands.log"
+        self.clock = StepClock(self.out / "timings.json")
 
     def step(self, name: str, output: Path, args: list[str], threads: int = 2) -> None:
         """Run a command unless its output exists; remember the command either way."""
         self.commands[name] = ["c2kd", *args]
         if not _done(output):
             print(f"== {name}", flush=True)
-            c2kd(args, self.log, threads)
+            with self.clock.timing(name):
+                c2kd(args, self.log, threads)
 
     def data_and_sasrec(self, seeds: tuple[int, ...] = (0, 1, 2)) -> None:
         self.step("prepare", self.data, ["prepare", "movielens-100k", "--out", str(self.data), "--max-train-per-user", "5"])
@@ -192,7 +227,8 @@ class Bench:
             "           'parameters': sum(p.numel() for p in m.parameters())} for k, m in models.items()}\n"
             f"open({str(path)!r}, 'w').write(json.dumps(out, indent=2))\n"
         )
-        subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        with self.clock.timing(f"{name}/latency"):
+            subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
     def head_step(self) -> None:
         """A student step with the head at the answer positions only ÷ with it everywhere (timed, alone)."""
@@ -202,23 +238,21 @@ class Bench:
         self.commands["head_step"] = ["python", "benchmarks/head_step.py", *cmd[3:]]
         if not path.exists():
             print("== head_step", flush=True)
-            subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+            with self.clock.timing("head_step"):
+                subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
     def summary(self) -> dict:
-        def test_metrics(run: Path, record: str) -> dict:
-            r = json.loads((run / record).read_text())
-            return r["metrics"]["test"] if "metrics" in r else r
-
         sasrec = [json.loads((self.out / f"sasrec-s{s}" / "metrics.json").read_text())["test"] for s in (0, 1, 2)]
         result = {"sasrec": {f"{g}/{m}": [r[g][m] for r in sasrec] for g, m in METRICS}, "families": {},
-                  "commands": self.commands, "settings": vars(self.args) | {"out": str(self.out)}}
+                  "commands": self.commands, "settings": vars(self.args) | {"out": str(self.out)},
+                  "timings": self.clock.record}
         for name in self.args.families:
             root, seeds = self.out / name, FAMILIES[name]["seeds"][: 1 if self.args.quick else None]
             if not (root / "teacher-test.json").exists():
                 continue
             fam: dict = {"rows": {}}
-            teacher = json.loads((root / "teacher-test.json").read_text())
-            fam["rows"]["teacher"] = {f"{g}/{m}": [teacher[g][m]] for g, m in METRICS}
+            teacher = flat_metrics(json.loads((root / "teacher-test.json").read_text()))
+            fam["rows"]["teacher"] = {key: [value] for key, value in teacher.items()}
             runs = {"student alone": ("student-alone", "train.json"),
                     "student alone, history loss": ("student-alone-history", "train.json")}
             runs.update({m: (m, "distill.json") for m in METHODS})
@@ -226,12 +260,12 @@ class Bench:
                 done = [run for run in (self.run_folder(name, folder, s) for s in seeds) if (run / record).exists()]
                 if done:
                     if record == "train.json":
-                        metrics = [json.loads((d / "metrics-test.json").read_text()) for d in done
+                        metrics = [flat_metrics(json.loads((d / "metrics-test.json").read_text())) for d in done
                                    if (d / "metrics-test.json").exists()]
                     else:
-                        metrics = [test_metrics(d, record) for d in done]
+                        metrics = [student_test_metrics(d) for d in done]
                     if metrics:
-                        fam["rows"][label] = {f"{g}/{m}": [x[g][m] for x in metrics] for g, m in METRICS}
+                        fam["rows"][label] = {key: [x[key] for x in metrics] for key in metrics[0]}
             if (root / "latency.json").exists():
                 fam["latency"] = json.loads((root / "latency.json").read_text())
             fam["goals"] = goals(result["sasrec"], fam["rows"])
@@ -296,6 +330,9 @@ def markdown(result: dict) -> str:
             shown = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in value.items() if k != "holds"}
             lines.append(f"| {goal} | {shown} | {value.get('holds', '–')} |")
         lines.append("")
+    if result.get("timings", {}).get("steps_s"):
+        lines += [f"The tier's wall time: {result['timings']['wall_s'] / 60:.0f} min (summed over resumed runs; "
+                  "per-step seconds in timings.json).", ""]
     for name, h in result.get("head_step", {}).items():
         lines.append(f"{h['model']}: a student step with the head at the answer positions only takes {h['ratio']:.2f}x "
                      f"the time of one with the head everywhere (vocabulary {h['vocabulary']:,}, batch {h['batch']}).")

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from real_llm import METHODS, METRICS, Bench, goals, markdown  # noqa: E402
+from real_llm import METHODS, Bench, flat_metrics, goals, markdown, student_test_metrics  # noqa: E402
 
 RECORDED = Path(__file__).parent / "results" / "real_llm_summary.json"
 FAMILY = "smollm2"
@@ -35,15 +35,10 @@ VARIANTS = {
 }
 
 
-def test_metrics(run: Path) -> dict[str, float]:
-    test = json.loads((run / "distill.json").read_text())["metrics"]["test"]
-    return {f"{g}/{m}": test[g][m] for g, m in METRICS}
-
-
 def baseline_hr1(bench: Bench, recorded: dict, method: str, seed: int) -> float:
     run = bench.run_folder(FAMILY, method, seed)
     if (run / "distill.json").exists():
-        return test_metrics(run)["/".join(METRIC)]
+        return student_test_metrics(run)["/".join(METRIC)]
     return recorded["families"][FAMILY]["rows"][method]["/".join(METRIC)][seed]
 
 
@@ -63,8 +58,7 @@ def main() -> None:
     bench = Bench(settings)
     bench.data_and_sasrec(seeds=(0,))
     bench.teacher(FAMILY)
-    test = json.loads((args.out / FAMILY / "teacher-test.json").read_text())
-    teacher = {f"{g}/{m}": test[g][m] for g, m in METRICS}
+    teacher = flat_metrics(json.loads((args.out / FAMILY / "teacher-test.json").read_text()))
     expected = {k: v[0] for k, v in recorded["families"][FAMILY]["rows"]["teacher"].items()}
     if teacher != expected:
         raise SystemExit(f"the rebuilt teacher's test metrics {teacher} differ from the recorded {expected}: the "
@@ -78,7 +72,7 @@ def main() -> None:
     # The benchmark's table and goals with the variant's students (the teacher is the recorded one).
     rows = {"teacher": recorded["families"][FAMILY]["rows"]["teacher"]}
     for method in methods:
-        runs = [test_metrics(bench.run_folder(FAMILY, f"{method} {args.variant}", s)) for s in args.seeds]
+        runs = [student_test_metrics(bench.run_folder(FAMILY, f"{method} {args.variant}", s)) for s in args.seeds]
         rows[method] = {k: [r[k] for r in runs] for k in runs[0]}
     result: dict = {"variant": args.variant, "flags": flags, "teacher_test": teacher, "seeds": args.seeds,
                     "commands": bench.commands, "methods": {}}
