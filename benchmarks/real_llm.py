@@ -26,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -92,7 +93,7 @@ class StepClock:
         self.before = self.record["wall_s"]
 
     @contextmanager
-    def timing(self, name: str):
+    def timing(self, name: str) -> Iterator[None]:
         start = time.perf_counter()
         yield
         with self.lock:
