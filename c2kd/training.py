@@ -258,6 +258,10 @@ def train(
     others are frozen. `on_epoch_end(epoch, stats)` runs on every rank after each epoch (and after a
     last partial one); a dict it returns is added to the epoch line of the log."""
     started = time.perf_counter()
+    # Bit-reproducible runs with more than one CPU thread: without it, two runs of the same teacher
+    # command ended with different weights (and so different caches and distilled students).
+    # warn_only: an op with no deterministic kernel warns instead of stopping the run.
+    torch.use_deterministic_algorithms(True, warn_only=True)
     rank, world, _ = distributed.dist_env()
     device = distributed.pick_device(config.device)
     distributed.init(device)

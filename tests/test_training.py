@@ -192,6 +192,26 @@ def test_resume_after_crash_is_bitwise_identical(tmp_path):
     assert strip(read_log(tmp_path / "b")) == strip(read_log(tmp_path / "a"))
 
 
+def accumulate_loss(model: nn.Module, batch: dict) -> dict:
+    """The toy loss plus a gather with many repeated indices: its backward accumulates into the same
+    rows from several threads, whose order PyTorch only fixes in deterministic mode."""
+    rows = batch["idx"].repeat(64) % 4
+    gathered = model[0].weight[rows]
+    return {"loss": loss_fn(model, batch)["loss"] + 1e-3 * gathered.pow(2).sum()}
+
+
+def test_training_is_bitwise_reproducible_with_threads(tmp_path):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        first, _ = run(tmp_path / "a", loss=accumulate_loss)
+        second, _ = run(tmp_path / "b", loss=accumulate_loss)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.are_deterministic_algorithms_enabled()
+    assert same_weights(first, second)
+
+
 def test_finished_run_is_not_trained_again(tmp_path):
     first, r1 = run(tmp_path)
     again, r2 = run(tmp_path)
