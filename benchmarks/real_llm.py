@@ -74,6 +74,11 @@ def flat_metrics(split_metrics: dict) -> dict[str, float]:
     return {f"{g}/{m}": split_metrics[g][m] for g, m in METRICS}
 
 
+def by_metric(runs: list[dict[str, float]]) -> dict[str, list[float]]:
+    """Flattened metrics of several runs (seeds) as one list per metric, in run order."""
+    return {key: [run[key] for run in runs] for key in runs[0]}
+
+
 def student_test_metrics(run: Path) -> dict[str, float]:
     """A distilled student's test metrics (its distill.json), flattened."""
     return flat_metrics(json.loads((run / "distill.json").read_text())["metrics"]["test"])
@@ -243,8 +248,9 @@ class Bench:
                 subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
     def summary(self) -> dict:
-        sasrec = [json.loads((self.out / f"sasrec-s{s}" / "metrics.json").read_text())["test"] for s in (0, 1, 2)]
-        result = {"sasrec": {f"{g}/{m}": [r[g][m] for r in sasrec] for g, m in METRICS}, "families": {},
+        sasrec = [flat_metrics(json.loads((self.out / f"sasrec-s{s}" / "metrics.json").read_text())["test"])
+                  for s in (0, 1, 2)]
+        result = {"sasrec": by_metric(sasrec), "families": {},
                   "commands": self.commands, "settings": vars(self.args) | {"out": str(self.out)},
                   "timings": self.clock.record}
         for name in self.args.families:
@@ -252,8 +258,7 @@ class Bench:
             if not (root / "teacher-test.json").exists():
                 continue
             fam: dict = {"rows": {}}
-            teacher = flat_metrics(json.loads((root / "teacher-test.json").read_text()))
-            fam["rows"]["teacher"] = {key: [value] for key, value in teacher.items()}
+            fam["rows"]["teacher"] = by_metric([flat_metrics(json.loads((root / "teacher-test.json").read_text()))])
             runs = {"student alone": ("student-alone", "train.json"),
                     "student alone, history loss": ("student-alone-history", "train.json")}
             runs.update({m: (m, "distill.json") for m in METHODS})
@@ -266,7 +271,7 @@ class Bench:
                     else:
                         metrics = [student_test_metrics(d) for d in done]
                     if metrics:
-                        fam["rows"][label] = {key: [x[key] for x in metrics] for key in metrics[0]}
+                        fam["rows"][label] = by_metric(metrics)
             if (root / "latency.json").exists():
                 fam["latency"] = json.loads((root / "latency.json").read_text())
             fam["goals"] = goals(result["sasrec"], fam["rows"])

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from real_llm import METHODS, Bench, flat_metrics, goals, markdown, student_test_metrics  # noqa: E402
+from real_llm import METHODS, Bench, by_metric, flat_metrics, goals, markdown, student_test_metrics  # noqa: E402
 
 RECORDED = Path(__file__).parent / "results" / "real_llm_summary.json"
 FAMILY = "smollm2"
@@ -73,7 +73,7 @@ def main() -> None:
     rows = {"teacher": recorded["families"][FAMILY]["rows"]["teacher"]}
     for method in methods:
         runs = [student_test_metrics(bench.run_folder(FAMILY, f"{method} {args.variant}", s)) for s in args.seeds]
-        rows[method] = {k: [r[k] for r in runs] for k in runs[0]}
+        rows[method] = by_metric(runs)
     result: dict = {"variant": args.variant, "flags": flags, "teacher_test": teacher, "seeds": args.seeds,
                     "commands": bench.commands, "methods": {}}
     for method in methods:

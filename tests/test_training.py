@@ -193,8 +193,8 @@ def test_resume_after_crash_is_bitwise_identical(tmp_path):
 
 
 def accumulate_loss(model: nn.Module, batch: dict) -> dict:
-    """The toy loss plus a gather with many repeated indices: its backward accumulates into the same
-    rows from several threads, whose order PyTorch only fixes in deterministic mode."""
+    """The toy loss plus a gather with many repeated indices: its backward accumulates many
+    gradients into the same rows, where the summation order must not depend on the threads."""
     rows = batch["idx"].repeat(64) % 4
     gathered = model[0].weight[rows]
     return {"loss": loss_fn(model, batch)["loss"] + 1e-3 * gathered.pow(2).sum()}
