@@ -24,8 +24,10 @@ class LiveBatch(CachedBatch):
 
 
 @torch.no_grad()
-def live_teacher_batch(teacher: RecLM, tokens: dict, layers: Sequence[int], positions: str = "all") -> LiveBatch:
-    """`tokens` (a `collate` dict) run through the teacher, laid out as `TeacherCache.get` lays out a batch."""
+def live_teacher_batch(teacher: RecLM, tokens: dict, layers: Sequence[int], positions: str = "all",
+                       candidates: torch.Tensor | None = None) -> LiveBatch:
+    """`tokens` (a `collate` dict) run through the teacher, laid out as `TeacherCache.get` lays out a batch;
+    `candidates` [B, C] are the examples' (what --kd-over candidates reads; none when not given)."""
     out = teacher.decode(tokens["input_ids"], tokens["attention_mask"], tokens["slot_items"], output_hidden_states=True)
     answer_positions, mask = answer_index(tokens["labels"])
     final = gather_rows(out.last_hidden_state, answer_positions)
@@ -37,7 +39,7 @@ def live_teacher_batch(teacher: RecLM, tokens: dict, layers: Sequence[int], posi
     empty = torch.zeros(b, 0, dtype=torch.long)
     return LiveBatch(
         positions=positions, example_ids=torch.arange(b), users=torch.zeros(b, dtype=torch.long),
-        targets=torch.zeros(b, dtype=torch.long), candidates=empty, history=empty,
+        targets=torch.zeros(b, dtype=torch.long), candidates=empty if candidates is None else candidates, history=empty,
         input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"], slot_items=tokens["slot_items"],
         labels=tokens["labels"], answer_positions=answer_positions, answer_mask=mask, hidden=hidden, final_hidden=final,
         teacher_logits=teacher.head_logits(final[mask]).float(),

@@ -3,7 +3,7 @@
     python benchmarks/student_variants.py --variant items --out runs/bench/real_llm --seeds 0 1 2 --json runs/bench/kd_over_items.json
     python benchmarks/student_variants.py --variant 6-epochs --methods "SFT from cache" C2KD "logit KD" ...
 
-Variants (VARIANTS): `items` = `--kd-over items` against the paper's `vocab`; `6-epochs` = twice
+Variants (VARIANTS): `items` / `candidates` = `--kd-over items|candidates` against the paper's `vocab`; `6-epochs` = twice
 the benchmark's 3 student epochs. Builds (or reuses) the benchmark's data, SASRec seed 0, SmolLM2
 teacher and cache with `real_llm.py`'s own commands and settings, then distils the variant's
 students per method and seed. The baseline students are the benchmark's: read from the same
@@ -31,6 +31,7 @@ METRIC = ("candidates", "HR@1")
 # name: (flags added to the benchmark's distill command, the methods compared by default)
 VARIANTS = {
     "items": (["--kd-over", "items"], ("C2KD", "logit KD")),
+    "candidates": (["--kd-over", "candidates"], ("C2KD", "logit KD")),
     "6-epochs": (["--epochs", "6"], ("SFT from cache", "C2KD", "logit KD")),  # after the benchmark's --epochs 3: wins
 }
 

@@ -516,7 +516,7 @@ def distill_cmd(
     w_logit: float = typer.Option(0.5, "--w-logit", help="Weight of the logit loss."),
     w_orth: float = typer.Option(0.05, "--w-orth", help="Weight of the orthogonality loss."),
     tau: float = typer.Option(1.0, "--tau", help="Softmax temperature of the logit losses."),
-    kd_over: str = typer.Option("vocab", "--kd-over", help="Support of the logit losses: vocab (the paper) or items (the item tokens at the item-predicting answer, ids only; far cheaper)."),
+    kd_over: str = typer.Option("vocab", "--kd-over", help="Support of the logit losses: vocab (the paper), items (the item tokens at the item-predicting answer, ids only; far cheaper) or candidates (as items, narrowed to the example's candidates: the ranking the metrics measure)."),
     stage1_epochs: int = typer.Option(1, "--stage1-epochs", help="Epochs of stage 1 (layer filters on cached teacher states; c2kd only)."),
     stage1_lr: float = typer.Option(1e-3, "--stage1-lr", help="Learning rate of stage 1."),
     select_metric: str = typer.Option("NDCG@10", "--select-metric", help="Validation metric that picks the best state."),

@@ -30,7 +30,7 @@ from c2kd.recmodel.prompts import answer_index
 from c2kd.student.c2kd_modules import LayerFilters
 from c2kd.student.cache_batches import CacheBatches
 from c2kd.student.distill import DistillRecipe, build_student, distill
-from c2kd.student.losses import logit_kd_loss
+from c2kd.student.losses import logit_kd_loss, soft_cross_entropy
 from c2kd.student.objective import DistillModel, layer_filters, stage1_loss
 from c2kd.training import TrainConfig, epoch_batches, read_log, train
 
@@ -85,6 +85,14 @@ def _live_tokens(teacher, examples, example_ids):
     return collate([by_id[i] for i in example_ids], encoder.pad_id)
 
 
+def _live_batch(teacher, examples, example_ids, layers, positions):
+    """The live teacher's batch for these train examples, with their candidates from the examples."""
+    frame = examples.split("train")
+    candidates = dict(zip(frame["example_id"].to_list(), frame["candidates"].to_list()))
+    return live_teacher_batch(teacher, _live_tokens(teacher, examples, example_ids), layers, positions,
+                              torch.tensor([candidates[i] for i in example_ids]))
+
+
 def _model(cache: TeacherCache, recipe: DistillRecipe, seed=0) -> DistillModel:
     torch.manual_seed(seed)
     student = build_student(recipe, cache, seed=seed)
@@ -105,6 +113,8 @@ RECIPES = {
     "c2kd-items": DistillRecipe(student="micro", kd_over="items"),
     "c2kd-no-cross-head-items": DistillRecipe(student="micro", cross_head=False, kd_over="items"),
     "logit-kd-items": DistillRecipe(student="micro", method="logit-kd", kd_over="items"),
+    "c2kd-candidates": DistillRecipe(student="micro", kd_over="candidates"),
+    "logit-kd-candidates": DistillRecipe(student="micro", method="logit-kd", kd_over="candidates"),
 }
 
 
@@ -117,8 +127,8 @@ def test_every_loss_from_the_cache_equals_the_live_teacher(caches, teacher, exam
     cache = TeacherCache.open(caches(positions, dtype))
     ids = cache.split_ids("train")[:12].tolist()
     cached = cache.get(ids)
-    live = live_teacher_batch(teacher, _live_tokens(teacher, examples, ids), cache.spec.layers, positions)
-    for key in ("input_ids", "slot_items", "labels", "attention_mask", "answer_positions", "answer_mask"):
+    live = _live_batch(teacher, examples, ids, cache.spec.layers, positions)
+    for key in ("input_ids", "slot_items", "labels", "attention_mask", "answer_positions", "answer_mask", "candidates"):
         assert torch.equal(getattr(cached, key), getattr(live, key).to(getattr(cached, key).dtype)), key
     for name, recipe in RECIPES.items():
         model = _model(cache, recipe)
@@ -137,7 +147,7 @@ def test_router_picks_the_same_layers_from_cache_and_live_teacher(caches, teache
     model(cache.get(ids))
     from_cache = dict(model.router_counts)
     model.router_counts.clear()
-    model(live_teacher_batch(teacher, _live_tokens(teacher, examples, ids), cache.spec.layers, "all"))
+    model(_live_batch(teacher, examples, ids, cache.spec.layers, "all"))
     assert model.router_counts == from_cache and sum(from_cache.values()) == 12
 
 
@@ -161,9 +171,9 @@ def test_small_topk_cache_gives_a_finite_loss_close_to_exact(caches):
     a = _model(exact, RECIPES["logit-kd"])(exact.get(ids))["logit"]
     b = _model(top, RECIPES["logit-kd"])(top.get(ids))["logit"]
     assert torch.isfinite(b) and b.item() != pytest.approx(a.item(), rel=1e-6)
-    # with --kd-over items a top-8 row may hold no item token at all: no teacher signal, and no NaN
+    # with --kd-over items|candidates a top-8 row may hold no item (candidate) token: no teacher signal, and no NaN
     batch = top.get(ids)
-    for name in ("logit-kd-items", "c2kd-items"):
+    for name in ("logit-kd-items", "c2kd-items", "logit-kd-candidates", "c2kd-candidates"):
         model = _model(top, RECIPES[name]).train()
         out = model(batch)
         assert torch.isfinite(out["loss"]), name
@@ -212,6 +222,34 @@ def test_kd_over_items_is_the_catalog_distribution_at_the_item_answer(caches):
         DistillModel(model.student, DistillRecipe(student="micro", kd_over="items"), llara, cache.head_weight())
 
 
+def test_kd_over_candidates_is_the_teachers_ranking_of_each_examples_candidates(caches):
+    """--kd-over candidates: at each example's item answer, the teacher's and the student's logits
+    on that example's 20 candidates only (in prompt order), compared by the same losses; written
+    out by hand here for logit KD and for C2KD's cross-head."""
+    cache = TeacherCache.open(caches("answer", "float32"))
+    batch = cache.get(cache.split_ids("train")[:6], layers=cache.spec.layers)
+    recipe = DistillRecipe(student="micro", method="logit-kd", kd_over="candidates")
+    model = _model(cache, recipe)
+    rows = torch.isin(batch.answer_targets(), model.student.item_token_ids[1:])
+    assert int(rows.sum()) == len(batch)  # one item answer per example, in example order
+    columns = model.student.item_token_ids[batch.candidates]  # [B, 20] token ids of each example's candidates
+    assert columns.shape == (len(batch), 20)
+    z_t = torch.stack([cache.head_weight().float()[c] @ h.float()
+                       for c, h in zip(columns, batch.final_hidden[batch.answer_mask][rows])])
+    z_s = torch.stack([z[c] for z, c in zip(model.run_student(batch).logits[rows], columns)])
+    torch.testing.assert_close(model(batch)["logit"], logit_kd_loss(z_s, z_t, None))
+    items = _model(cache, dataclasses.replace(recipe, kd_over="items"))(batch)["logit"]
+    assert not torch.allclose(items, model(batch)["logit"])
+    # C2KD: the cross-head's scores through the teacher head's rows of the same candidates
+    c2kd = _model(cache, dataclasses.replace(recipe, method="c2kd")).eval()
+    out = c2kd.run_student(batch, hidden=True)
+    features = c2kd.cross_head.feat_mlp(batch.answer_rows(out.hidden_states[c2kd.student_layer])[rows])
+    z_x = torch.stack([cache.head_weight().float()[c] @ f for c, f in zip(columns, features)])
+    torch.testing.assert_close(c2kd(batch)["logit"], soft_cross_entropy(z_x, z_t, None))
+    with pytest.raises(C2KDError, match="--kd-over candidates changes the logit losses"):
+        DistillRecipe(method="feature-kd", kd_over="candidates")
+
+
 # ---------------------------------------------------------------- what each method trains
 
 
@@ -225,6 +263,8 @@ def test_kd_over_items_is_the_catalog_distribution_at_the_item_answer(caches):
     (DistillRecipe(student="micro", router="fixed:4"), {"loss", "lm", "feat", "logit", "orth"}),
     (DistillRecipe(student="micro", kd_over="items"), {"loss", "lm", "feat", "logit", "orth"}),
     (DistillRecipe(student="micro", method="logit-kd", kd_over="items"), {"loss", "lm", "logit"}),
+    (DistillRecipe(student="micro", kd_over="candidates"), {"loss", "lm", "feat", "logit", "orth"}),
+    (DistillRecipe(student="micro", method="logit-kd", kd_over="candidates"), {"loss", "lm", "logit"}),
 ])
 def test_loss_terms_and_gradients_per_method(caches, recipe, terms):
     cache = TeacherCache.open(caches("all", "bfloat16"))

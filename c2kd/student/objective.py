@@ -17,6 +17,12 @@ outputs, not V). Ranking reads nothing else, a fine-tuned teacher puts nearly al
 (0.998 for the demo's SmolLM2 teacher), and the cross-head then multiplies by N item rows of the
 teacher head instead of V (1,682 vs 50,835 or 263,827).
 
+--kd-over candidates (ids only): as items, then each row narrowed to its example's candidates
+(renormalised over them), so the logit losses teach the ranking the protocol measures. Over the
+whole catalog the candidates hold about 1.5 % of a fine-tuned teacher's item mass (chance: 20 of
+1,682 items, 1.2 %), so the vocab and items losses carry almost none of the teacher's ranking of
+them. Stage 1 is the same as with items.
+
 Teacher logits come from the cache only: exact caches rebuild them on the student's device as
 final_hidden @ W_headᵀ (float32, autocast off); top-k caches give a distribution on the cached K
 tokens (the other logits -inf); full caches are read as they are. A batch may also carry
@@ -37,7 +43,8 @@ from c2kd.student.c2kd_modules import CrossHead, LayerFilters, routed_feature_lo
 from c2kd.student.losses import cross_head_kd_loss, feature_loss, logit_kd_loss, orth_loss
 
 METHODS = ("c2kd", "sft", "logit-kd", "feature-kd")
-KD_SUPPORTS = ("vocab", "items")
+KD_SUPPORTS = ("vocab", "items", "candidates")
+ITEM_SUPPORTS = ("items", "candidates")  # the logit losses over item tokens (ids only)
 
 
 def check_kd_support(kd_over: str, prompt_format: str | None = None, method: str | None = None) -> None:
@@ -45,10 +52,10 @@ def check_kd_support(kd_over: str, prompt_format: str | None = None, method: str
     whose answers are not item tokens."""
     if kd_over not in KD_SUPPORTS:
         raise C2KDError(f"--kd-over {kd_over!r}: expected one of {', '.join(KD_SUPPORTS)}")
-    if kd_over == "items" and method in ("sft", "feature-kd"):
-        raise C2KDError(f"--kd-over items changes the logit losses; --method {method} has none (drop --kd-over)")
-    if kd_over == "items" and prompt_format not in (None, "ids"):
-        raise C2KDError(f"--kd-over items compares item-token distributions: it needs an ids cache, this one is "
+    if kd_over in ITEM_SUPPORTS and method in ("sft", "feature-kd"):
+        raise C2KDError(f"--kd-over {kd_over} changes the logit losses; --method {method} has none (drop --kd-over)")
+    if kd_over in ITEM_SUPPORTS and prompt_format not in (None, "ids"):
+        raise C2KDError(f"--kd-over {kd_over} compares item-token distributions: it needs an ids cache, this one is "
                         f"{prompt_format!r} (use --kd-over vocab)")
 
 
@@ -64,13 +71,13 @@ class LossWeights:
     w_logit: float = 0.5
     w_orth: float = 0.05
     tau: float = 1.0
-    kd_over: str = "vocab"  # vocab | items: the support of the logit losses (see the module docstring)
+    kd_over: str = "vocab"  # vocab | items | candidates: the support of the logit losses (module docstring)
 
 
 def kd_classes(weights: LossWeights, student: RecLM) -> Tensor | None:
     """What the logit losses and stage 1's probe head range over: None = the vocabulary, or (with
-    --kd-over items) the item tokens' ids, in item order."""
-    return student.item_token_ids[1:].clone() if weights.kd_over == "items" else None
+    --kd-over items|candidates) the item tokens' ids, in item order."""
+    return student.item_token_ids[1:].clone() if weights.kd_over in ITEM_SUPPORTS else None
 
 
 def layer_filters(weights: LossWeights, spec: CacheSpec, student: RecLM) -> LayerFilters:
@@ -142,6 +149,23 @@ class DistillModel(nn.Module):
         """Logits [N, V] at the real answer positions restricted to the KD rows and columns."""
         return z if rows is None else z[rows][:, self.kd_columns]
 
+    def on_candidates(self, z_items: Tensor, batch: CachedBatch, rows: Tensor | None) -> Tensor:
+        """With --kd-over candidates: item logits [n, items] at the KD rows -> [n, C], each row's
+        example's candidates in prompt order (a padded candidate, item 0, gets -inf). Else unchanged."""
+        if self.w.kd_over != "candidates":
+            return z_items
+        if batch.candidates.shape[1] == 0:
+            raise C2KDError("--kd-over candidates: this batch carries no candidates")
+        example = batch.answer_mask.nonzero()[:, 0].to(z_items.device)[rows]
+        candidates = batch.candidates.to(z_items.device)[example]  # [n, C] item ids, 1-based
+        z = z_items.gather(1, (candidates - 1).clamp_min(0))
+        return z.masked_fill(candidates == 0, float("-inf"))
+
+    def kd_pair(self, z_student: Tensor, batch: CachedBatch, rows: Tensor | None) -> tuple[Tensor, Tensor]:
+        """(student, teacher) logits on the KD support at the KD rows: what the logit losses compare."""
+        teacher = self.teacher_logits(batch, rows)
+        return self.on_candidates(z_student, batch, rows), self.on_candidates(teacher, batch, rows)
+
     def teacher_logits(self, batch: CachedBatch, rows: Tensor | None = None) -> Tensor:
         """float32 teacher logits at the real answer positions (`rows` of them), over the KD support
         (see the module docstring): [N, V], or [n, items] with --kd-over items."""
@@ -170,7 +194,7 @@ def sft(m: DistillModel, batch: CachedBatch) -> dict[str, Tensor]:
 def logit_kd(m: DistillModel, batch: CachedBatch) -> dict[str, Tensor]:
     out = m.run_student(batch)
     rows = m.kd_rows(batch)
-    logit = logit_kd_loss(m.on_kd_support(out.logits, rows), m.teacher_logits(batch, rows), None, m.w.tau)
+    logit = logit_kd_loss(*m.kd_pair(m.on_kd_support(out.logits, rows), batch, rows), None, m.w.tau)
     return {"loss": out.loss + m.w.w_logit * logit, "lm": out.loss, "logit": logit}
 
 
@@ -200,7 +224,7 @@ def c2kd(m: DistillModel, batch: CachedBatch) -> dict[str, Tensor]:
         z = m.cross_head.logits(batch.answer_rows(h_n), m.teacher_head)
     else:
         z = m.cross_head.logits(batch.answer_rows(h_n)[kd_rows], m.kd_head)
-    logit = cross_head_kd_loss(z, m.teacher_logits(batch, kd_rows), None, m.w.tau)
+    logit = cross_head_kd_loss(*m.kd_pair(z, batch, kd_rows), None, m.w.tau)
     uses_orth = m.cross_head is not None and m.w.orth
     orth = orth_loss(m.cross_head.feat_mlp.weight) if uses_orth else torch.zeros((), device=logit.device)
     terms = {"lm": out.loss, "feat": feat, "logit": logit, **({"orth": orth} if uses_orth else {})}
@@ -213,7 +237,7 @@ OBJECTIVES = {"sft": sft, "logit-kd": logit_kd, "feature-kd": feature_kd, "c2kd"
 def stage1_loss(filters: nn.Module, batch: CachedBatch, classes: Tensor | None = None) -> dict[str, Tensor]:
     """Stage 1 (c2kd): sum over the candidate layers of CE(head(norm(g_l(H_t^l)))) at the answers.
 
-    `classes` (--kd-over items: the item tokens, the head's outputs in that order): the CE over the
+    `classes` (--kd-over items|candidates: the item tokens, the head's outputs in that order): the CE over the
     catalog, at the answers that are items, instead of over the vocabulary at every answer."""
     hidden = {l: batch.hidden_at_answers(l) for l in batch.hidden}
     targets = batch.answer_targets()
