@@ -149,22 +149,19 @@ class DistillModel(nn.Module):
         """Logits [N, V] at the real answer positions restricted to the KD rows and columns."""
         return z if rows is None else z[rows][:, self.kd_columns]
 
-    def on_candidates(self, z_items: Tensor, batch: CachedBatch, rows: Tensor | None) -> Tensor:
-        """With --kd-over candidates: item logits [n, items] at the KD rows -> [n, C], each row's
-        example's candidates in prompt order (a padded candidate, item 0, gets -inf). Else unchanged."""
+    def kd_pair(self, z_student: Tensor, batch: CachedBatch, rows: Tensor | None) -> tuple[Tensor, Tensor]:
+        """(student, teacher) logits on the KD support at the KD rows: what the logit losses compare.
+        With --kd-over candidates both go from [n, items] to [n, C]: each row's example's candidates
+        in prompt order (a padded candidate, item 0, gets -inf)."""
+        teacher = self.teacher_logits(batch, rows)
         if self.w.kd_over != "candidates":
-            return z_items
+            return z_student, teacher
         if batch.candidates.shape[1] == 0:
             raise C2KDError("--kd-over candidates: this batch carries no candidates")
-        example = batch.answer_mask.nonzero()[:, 0].to(z_items.device)[rows]
-        candidates = batch.candidates.to(z_items.device)[example]  # [n, C] item ids, 1-based
-        z = z_items.gather(1, (candidates - 1).clamp_min(0))
-        return z.masked_fill(candidates == 0, float("-inf"))
-
-    def kd_pair(self, z_student: Tensor, batch: CachedBatch, rows: Tensor | None) -> tuple[Tensor, Tensor]:
-        """(student, teacher) logits on the KD support at the KD rows: what the logit losses compare."""
-        teacher = self.teacher_logits(batch, rows)
-        return self.on_candidates(z_student, batch, rows), self.on_candidates(teacher, batch, rows)
+        example = batch.answer_mask.nonzero()[:, 0].to(teacher.device)[rows]
+        candidates = batch.candidates.to(teacher.device)[example]  # [n, C] item ids, 1-based
+        columns, padded = (candidates - 1).clamp_min(0), candidates == 0
+        return tuple(z.gather(1, columns).masked_fill(padded, float("-inf")) for z in (z_student, teacher))
 
     def teacher_logits(self, batch: CachedBatch, rows: Tensor | None = None) -> Tensor:
         """float32 teacher logits at the real answer positions (`rows` of them), over the KD support
