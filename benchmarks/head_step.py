@@ -16,6 +16,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -36,18 +37,20 @@ def head_everywhere_loss(model, batch: dict) -> torch.Tensor:
     return F.cross_entropy(logits[mask].float(), targets)
 
 
-def measure(alias: str, shrink: str, data: Path, sasrec: Path, steps: int, blocks: int) -> dict:
+def train_batch(alias: str, shrink: str | None, data: Path, sasrec: Path) -> tuple:
+    """(model in train mode, a batch of the first 32 `ids` training examples): the benchmark's
+    model of `alias` (shrink None = the whole teacher) with the hybrid item head."""
     examples = load_examples(data)
     model = build_model(alias, fmt="ids", item_embeddings=load_item_embeddings(sasrec), seed=0, shrink=shrink,
                         data_fingerprint=examples.fingerprint, preset_tokenizer=lambda: None)
     encoder = PromptEncoder(model.tokenizer, "ids", examples.titles())
-    batch = collate(encode_frame(encoder, examples.split("train").head(32)), encoder.pad_id)
-    model.train()
+    return model.train(), collate(encode_frame(encoder, examples.split("train").head(32)), encoder.pad_id)
+
+
+def median_step_s(model, variants: dict[str, Callable[[], torch.Tensor]], steps: int, blocks: int) -> dict[str, float]:
+    """Median seconds of one AdamW step (loss, backward, update) per variant; the variants
+    alternate in blocks of `steps` so that drifts of the machine hit them alike; block 0 warms up."""
     optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-    variants = {"answer positions only": lambda: model(**batch).loss,
-                "head everywhere": lambda: head_everywhere_loss(model, batch)}
-    with torch.no_grad():
-        a, b = (v().item() for v in variants.values())
     times: dict[str, list[float]] = {name: [] for name in variants}
     for block in range(blocks + 1):
         for name, loss_of in variants.items():
@@ -56,12 +59,21 @@ def measure(alias: str, shrink: str, data: Path, sasrec: Path, steps: int, block
                 loss_of().backward()
                 optim.step()
                 optim.zero_grad(set_to_none=True)
-                if block:  # the first block warms up
+                if block:
                     times[name].append(time.perf_counter() - start)
-    median = {name: statistics.median(t) for name, t in times.items()}
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def measure(alias: str, shrink: str, data: Path, sasrec: Path, steps: int, blocks: int) -> dict:
+    model, batch = train_batch(alias, shrink, data, sasrec)
+    variants = {"answer positions only": lambda: model(**batch).loss,
+                "head everywhere": lambda: head_everywhere_loss(model, batch)}
+    with torch.no_grad():
+        a, b = (v().item() for v in variants.values())
+    median = median_step_s(model, variants, steps, blocks)
     return {"model": model.spec.base, "vocabulary": model.vocab_size, "batch": 32,
             "loss_answer_only": a, "loss_head_everywhere": b, "median_step_s": median,
-            "ratio": median["answer positions only"] / median["head everywhere"], "steps_timed": len(times["head everywhere"])}
+            "ratio": median["answer positions only"] / median["head everywhere"], "steps_timed": steps * blocks}
 
 
 def main() -> None:

@@ -148,7 +148,7 @@ class Bench:
             "train-teacher", *self.common(), "--sasrec", str(self.sasrec), "--out", str(root / "teacher"),
             "--model", fam["alias"], "--lr", str(a.teacher_lr),
             "--epochs", str(1 if a.quick else a.teacher_epochs or fam["teacher_epochs"]), "--batch-size", "32",
-            "--checkpoint-every", "25", *self.history_loss()])
+            "--checkpoint-every", "25", *self.history_loss(), *self.bf16()])
         self.step(f"{name}/teacher-test", root / "teacher-test.json", [
             "evaluate", "--model", str(root / "teacher"), "--data", str(self.data), "--split", "test",
             "--out", str(root / "teacher-test.json")])
@@ -160,9 +160,14 @@ class Bench:
         """The teacher's next-history-item loss weight, when the run asks for one."""
         return ["--history-loss", str(self.args.history_loss)] if self.args.history_loss else []
 
+    def bf16(self) -> list[str]:
+        """bfloat16 autocast for every training command (teacher and students), when the run asks for it."""
+        return ["--bf16"] if self.args.bf16 else []
+
     def student_args(self) -> list[str]:
         a = self.args
-        return ["--lr", str(a.student_lr), "--epochs", str(1 if a.quick else a.student_epochs), "--batch-size", "32"]
+        return ["--lr", str(a.student_lr), "--epochs", str(1 if a.quick else a.student_epochs), "--batch-size", "32",
+                *self.bf16()]
 
     def distill_job(self, name: str, label: str, flags: list[str], seed: int, cache: str = "cache") -> tuple:
         """(step name, output folder, command) of one student distilled from the family's cache."""
@@ -352,12 +357,14 @@ def main() -> None:
     parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
     parser.add_argument("--teacher-lr", type=float, default=1e-4)
     parser.add_argument("--teacher-epochs", type=int, default=None, help="default: the family's (see FAMILIES)")
-    parser.add_argument("--student-lr", type=float, default=1e-3)
+    parser.add_argument("--student-lr", type=float, default=3e-4)
     parser.add_argument("--student-epochs", type=int, default=3)
     parser.add_argument("--history-loss", type=float, default=0.0, help="the teacher's next-history-item loss weight "
                         "(train-teacher --history-loss); the students alone are also trained with it, as an extra row")
     parser.add_argument("--max-seeds", type=int, default=3, help="train at most this many seeds per family now "
                         "(a later run without it adds the rest)")
+    parser.add_argument("--bf16", action="store_true", help="train the teacher and the students under bfloat16 "
+                        "autocast (--bf16 of train-teacher and distill); caches, evaluation and timing stay float32")
     parser.add_argument("--quick", action="store_true", help="a smoke run on tiny subsets (the numbers mean nothing)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

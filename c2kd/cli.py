@@ -213,7 +213,8 @@ MaxGradNorm = Annotated[Optional[float], _opt("--max-grad-norm", "Gradient clipp
 CheckpointEvery = Annotated[Optional[int], _opt("--checkpoint-every", "Optimizer steps between checkpoints.", TrainConfig)]
 EvalEvery = Annotated[Optional[str], _opt("--eval-every", "'epoch' or a number of optimizer steps between validations.", TrainConfig)]
 Seed = Annotated[Optional[int], _opt("--seed", "Seed of the initialisation, dropout and data order.", TrainConfig)]
-Bf16 = Annotated[bool, typer.Option("--bf16", help="bfloat16 autocast (CPU and bf16-capable GPUs).")]
+Bf16 = Annotated[bool, typer.Option("--bf16", help="bfloat16 autocast for training and its validation (both stages of "
+                                                    "distill): CPUs with AMX or AVX512-BF16, bf16-capable GPUs.")]
 Device = Annotated[Optional[str], _opt("--device", "auto (cuda:LOCAL_RANK if available, else cpu), cpu, cuda, cuda:1, ...", TrainConfig)]
 MaxTrain = Annotated[Optional[int], _opt("--max-train", "Train on a fixed random subset of this many examples.")]
 MaxVal = Annotated[Optional[int], _opt("--max-val", "Select the best state on the first N validation examples.")]

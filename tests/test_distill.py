@@ -331,6 +331,19 @@ def test_distill_with_kd_over_items_end_to_end(caches, examples, tmp_path):
     assert all(first[f"ce_layer_{l}"] < (np.log(examples.num_items) + np.log(vocab)) / 2 for l in (2, 3, 4, 5)), first
 
 
+def test_bf16_autocast_reaches_both_stages(caches, examples, tmp_path):
+    cache = caches("all", "bfloat16")
+    recipe = DistillRecipe(student="micro", max_train=32, eval_batch_size=16)
+    first_lines = {}
+    for bf16 in (False, True):
+        out = tmp_path / f"bf16-{bf16}"
+        distill(cache, examples.root, out, recipe, {"max_steps": 2, "batch_size": 16, "progress": False, "bf16": bf16})
+        first_lines[bf16] = [json.loads((out / name).read_text().splitlines()[0]) for name in ("stage1_log.jsonl", "log.jsonl")]
+    for fp32, bf16 in zip(first_lines[False], first_lines[True]):
+        assert np.isfinite(bf16["loss"]) and bf16["loss"] != fp32["loss"], (fp32, bf16)  # bf16 matmuls round differently
+        assert bf16["loss"] == pytest.approx(fp32["loss"], rel=0.05)
+
+
 def test_a_run_recorded_before_kd_over_existed_is_still_the_same_run(caches, examples, tmp_path):
     cache, out = caches("all", "bfloat16"), tmp_path / "student"
     recipe, train_config = DistillRecipe(student="micro", max_train=16, eval_batch_size=16), {"max_steps": 1, "batch_size": 16, "progress": False}

@@ -114,7 +114,7 @@ def _stage1(recipe: DistillRecipe, cache: TeacherCache, train_ids: np.ndarray, c
     stage1 = TrainConfig(out_dir=work / "stage1", lr=recipe.stage1_lr, weight_decay=config.weight_decay,
                          epochs=recipe.stage1_epochs, batch_size=config.batch_size, seed=config.seed,
                          device=config.device, checkpoint_every=config.checkpoint_every, log_every=config.log_every,
-                         progress=config.progress)
+                         progress=config.progress, bf16=config.bf16)
     source = CacheBatches(cache, train_ids, stage1.batch_size, stage1.seed, layers=spec.layers, final_hidden=False,
                           logits=False)
     return filters, train(filters, lambda net, batch: stage1_loss(net, batch, classes), source, None, None, stage1)
