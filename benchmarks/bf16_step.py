@@ -11,13 +11,12 @@ Also the two losses at the starting weights, which differ only by bf16 rounding.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import torch
 
-from head_step import FAMILIES, median_step_s, train_batch
+from head_step import FAMILIES, median_step_s, step_arguments, train_batch
 
 
 def measure(alias: str, shrink: str | None, data: Path, sasrec: Path, steps: int, blocks: int) -> dict:
@@ -36,15 +35,7 @@ def measure(alias: str, shrink: str | None, data: Path, sasrec: Path, steps: int
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", type=Path, required=True)
-    parser.add_argument("--sasrec", type=Path, required=True)
-    parser.add_argument("--json", type=Path, required=True)
-    parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
-    parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--blocks", type=int, default=3)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
+    args = step_arguments(__doc__.splitlines()[0], steps=2)
     out = {f"{name} {role}": measure(alias, shrink, args.data, args.sasrec, args.steps, args.blocks)
            for name in args.families for role, (alias, shrink) in
            (("teacher", (FAMILIES[name][0], None)), ("student", FAMILIES[name]))}
