@@ -364,7 +364,8 @@ def main() -> None:
     parser.add_argument("--max-seeds", type=int, default=3, help="train at most this many seeds per family now "
                         "(a later run without it adds the rest)")
     parser.add_argument("--bf16", action="store_true", help="train the teacher and the students under bfloat16 "
-                        "autocast (--bf16 of train-teacher and distill); caches, evaluation and timing stay float32")
+                        "autocast (--bf16 of train-teacher and distill, their validation too); caches, test evaluations "
+                        "and the timed steps stay float32")
     parser.add_argument("--quick", action="store_true", help="a smoke run on tiny subsets (the numbers mean nothing)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
