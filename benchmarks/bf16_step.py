@@ -36,6 +36,7 @@ def measure(alias: str, shrink: str | None, data: Path, sasrec: Path, steps: int
 
 def main() -> None:
     args = step_arguments(__doc__.splitlines()[0], steps=2)
+    torch.set_num_threads(1)
     out = {f"{name} {role}": measure(alias, shrink, args.data, args.sasrec, args.steps, args.blocks)
            for name in args.families for role, (alias, shrink) in
            (("teacher", (FAMILIES[name][0], None)), ("student", FAMILIES[name]))}

@@ -77,7 +77,7 @@ def measure(alias: str, shrink: str, data: Path, sasrec: Path, steps: int, block
 
 
 def step_arguments(description: str, steps: int) -> argparse.Namespace:
-    """The command line shared by the step-timing scripts (this one and bf16_step.py); sets one thread."""
+    """The command line shared by the step-timing scripts (this one and bf16_step.py)."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--data", type=Path, required=True)
     parser.add_argument("--sasrec", type=Path, required=True)
@@ -85,12 +85,12 @@ def step_arguments(description: str, steps: int) -> argparse.Namespace:
     parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
     parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--blocks", type=int, default=3)
-    torch.set_num_threads(1)
     return parser.parse_args()
 
 
 def main() -> None:
     args = step_arguments(__doc__.splitlines()[0], steps=3)
+    torch.set_num_threads(1)
     out = {name: measure(*FAMILIES[name], args.data, args.sasrec, args.steps, args.blocks) for name in args.families}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(out, indent=2) + "\n")

@@ -53,8 +53,8 @@ def main() -> None:
     args = parser.parse_args()
     recorded = json.loads(RECORDED.read_text())
     # the recorded run predates --history-loss and --bf16: its teacher had neither
-    settings = argparse.Namespace(**{"history_loss": 0.0, "bf16": False, **recorded["settings"], "out": args.out, "families": [FAMILY],
-                                     "quick": False})
+    settings = argparse.Namespace(**{"history_loss": 0.0, "bf16": False, **recorded["settings"], "out": args.out,
+                                     "families": [FAMILY], "quick": False})
     args.out.mkdir(parents=True, exist_ok=True)
     bench = Bench(settings)
     bench.data_and_sasrec(seeds=(0,))
