@@ -52,8 +52,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args()
     recorded = json.loads(RECORDED.read_text())
-    # the recorded run predates --history-loss and --bf16: its teacher had neither
-    settings = argparse.Namespace(**{"history_loss": 0.0, "bf16": False, **recorded["settings"], "out": args.out,
+    # the recorded run predates --history-loss, --bf16 and --gemma-seeds: float32, no history loss
+    settings = argparse.Namespace(**{"history_loss": 0.0, "bf16": False, "gemma_seeds": 1, **recorded["settings"], "out": args.out,
                                      "families": [FAMILY], "quick": False})
     args.out.mkdir(parents=True, exist_ok=True)
     bench = Bench(settings)
