@@ -2,13 +2,18 @@
 
     python benchmarks/student_variants.py --variant items --out runs/bench/real_llm --seeds 0 1 2 --json runs/bench/kd_over_items.json
     python benchmarks/student_variants.py --variant 6-epochs --methods "SFT from cache" C2KD "logit KD" ...
+    python benchmarks/student_variants.py --variant own-logit --out runs/bench/real_llm_bf16 \
+        --summary benchmarks/results/real_llm_bf16_summary.json --json runs/bench/own_logit.json
 
 Variants (VARIANTS): `items` / `candidates` = `--kd-over items|candidates` against the paper's `vocab`; `6-epochs` = twice
-the benchmark's 3 student epochs. Builds (or reuses) the benchmark's data, SASRec seed 0, SmolLM2
+the benchmark's 3 student epochs; `own-logit` = C2KD with `--w-own-logit 0.5` (vanilla logit KD on
+the student's own head added). Builds (or reuses) the benchmark's data, SASRec seed 0, SmolLM2
 teacher and cache with `real_llm.py`'s own commands and settings, then distils the variant's
 students per method and seed. The baseline students are the benchmark's: read from the same
 folder where they exist, otherwise from its recorded summary, which is only valid when the
 rebuilt teacher's test metrics equal the recorded ones (checked; the script stops otherwise).
+`--summary` names the benchmark run paired with (its settings, teacher and rows; default: the
+recorded float32 run, `results/real_llm_summary.json`).
 The JSON holds the paired differences, and the benchmark's table and goals with the variant's
 students in place of its own (printed as markdown too). Resumable like the benchmark: finished
 students are reused.
@@ -25,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from real_llm import METHODS, Bench, by_metric, flat_metrics, goals, markdown, student_test_metrics  # noqa: E402
 
-RECORDED = Path(__file__).parent / "results" / "real_llm_summary.json"
+RECORDED = Path(__file__).parent / "results" / "real_llm_summary.json"  # the default --summary
 FAMILY = "smollm2"
 METRIC = ("candidates", "HR@1")
 # name: (flags added to the benchmark's distill command, the methods compared by default)
@@ -33,6 +38,7 @@ VARIANTS = {
     "items": (["--kd-over", "items"], ("C2KD", "logit KD")),
     "candidates": (["--kd-over", "candidates"], ("C2KD", "logit KD")),
     "6-epochs": (["--epochs", "6"], ("SFT from cache", "C2KD", "logit KD")),  # after the benchmark's --epochs 3: wins
+    "own-logit": (["--w-own-logit", "0.5"], ("C2KD",)),  # C2KD plus vanilla logit KD on the student's own head
 }
 
 
@@ -50,11 +56,12 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=None, help="default: the variant's")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--json", type=Path, required=True)
+    parser.add_argument("--summary", type=Path, default=RECORDED, help="the benchmark run's summary.json to pair with")
     args = parser.parse_args()
-    recorded = json.loads(RECORDED.read_text())
-    # the recorded run predates --history-loss, --bf16 and --gemma-seeds: float32, no history loss
-    settings = argparse.Namespace(**{"history_loss": 0.0, "bf16": False, "gemma_seeds": 1, **recorded["settings"], "out": args.out,
-                                     "families": [FAMILY], "quick": False})
+    recorded = json.loads(args.summary.read_text())
+    # runs recorded before --history-loss, --bf16 and --gemma-seeds existed had none of them
+    settings = argparse.Namespace(**{"history_loss": 0.0, "bf16": False, "gemma_seeds": 1, **recorded["settings"],
+                                     "out": args.out, "families": [FAMILY], "quick": False})
     args.out.mkdir(parents=True, exist_ok=True)
     bench = Bench(settings)
     bench.data_and_sasrec(seeds=(0,))
@@ -81,11 +88,14 @@ def main() -> None:
         variant = rows[method]["/".join(METRIC)]
         baseline = [baseline_hr1(bench, recorded, method, s) for s in args.seeds]
         diffs = [v - b for v, b in zip(variant, baseline)]
+        vs_logit = [v - baseline_hr1(bench, recorded, "logit KD", s) for v, s in zip(variant, args.seeds)]
         result["methods"][method] = {
             args.variant: variant, "baseline": baseline, "variant - baseline": diffs,
-            "mean difference": statistics.mean(diffs), "std difference": statistics.stdev(diffs) if len(diffs) > 1 else None}
+            "mean difference": statistics.mean(diffs), "std difference": statistics.stdev(diffs) if len(diffs) > 1 else None,
+            "variant - logit KD": vs_logit}
         print(f"{method}: {args.variant} {statistics.mean(variant):.3f} vs baseline {statistics.mean(baseline):.3f} "
-              f"test HR@1; paired difference {statistics.mean(diffs):+.3f} ({', '.join(f'{d:+.3f}' for d in diffs)})")
+              f"test HR@1; paired difference {statistics.mean(diffs):+.3f} ({', '.join(f'{d:+.3f}' for d in diffs)}); "
+              f"minus the benchmark's logit KD {', '.join(f'{d:+.3f}' for d in vs_logit)}")
     if "SFT from cache" in rows:  # the same training as `train-teacher --shrink` (README: they agree to the digit)
         rows = {"teacher": rows["teacher"], "student alone": rows["SFT from cache"], **rows}
     result["rows"], result["goals"] = rows, goals(recorded["sasrec"], rows)

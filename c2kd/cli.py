@@ -517,6 +517,7 @@ def distill_cmd(
     w_logit: float = typer.Option(0.5, "--w-logit", help="Weight of the logit loss."),
     w_orth: float = typer.Option(0.05, "--w-orth", help="Weight of the orthogonality loss."),
     tau: float = typer.Option(1.0, "--tau", help="Softmax temperature of the logit losses."),
+    w_own_logit: float = typer.Option(0.0, "--w-own-logit", help="c2kd: weight of a vanilla logit-KD term on the student's own head, added to the cross-head loss (0: the paper's C2KD)."),
     kd_over: str = typer.Option("vocab", "--kd-over", help="Support of the logit losses: vocab (the paper), items (the item tokens at the item-predicting answer, ids only; far cheaper) or candidates (as items, narrowed to the example's candidates: the ranking the metrics measure)."),
     stage1_epochs: int = typer.Option(1, "--stage1-epochs", help="Epochs of stage 1 (layer filters on cached teacher states; c2kd only)."),
     stage1_lr: float = typer.Option(1e-3, "--stage1-lr", help="Learning rate of stage 1."),
@@ -538,8 +539,8 @@ def distill_cmd(
     with reporting_errors():
         recipe = DistillRecipe(
             method=method, student=student, shrink=shrink, item_head=item_head, router=router, cross_head=cross_head,
-            orth=orth, w_feat=w_feat, w_logit=w_logit, w_orth=w_orth, tau=tau, kd_over=kd_over, stage1_epochs=stage1_epochs,
-            stage1_lr=stage1_lr, max_train=max_train, max_val=max_val, select_metric=select_metric,
+            orth=orth, w_feat=w_feat, w_logit=w_logit, w_orth=w_orth, tau=tau, w_own_logit=w_own_logit, kd_over=kd_over,
+            stage1_epochs=stage1_epochs, stage1_lr=stage1_lr, max_train=max_train, max_val=max_val, select_metric=select_metric,
         )
         config = _train_config(epochs=epochs, max_steps=max_steps, batch_size=batch_size, grad_accum=grad_accum, lr=lr,
                                weight_decay=weight_decay, warmup_ratio=warmup_ratio, max_grad_norm=max_grad_norm,

@@ -265,13 +265,15 @@ def test_kd_over_candidates_is_the_teachers_ranking_of_each_examples_candidates(
     (DistillRecipe(student="micro", method="logit-kd", kd_over="items"), {"loss", "lm", "logit"}),
     (DistillRecipe(student="micro", kd_over="candidates"), {"loss", "lm", "feat", "logit", "orth"}),
     (DistillRecipe(student="micro", method="logit-kd", kd_over="candidates"), {"loss", "lm", "logit"}),
+    (DistillRecipe(student="micro", w_own_logit=0.5), {"loss", "lm", "feat", "logit", "orth", "own_logit"}),
+    (DistillRecipe(student="micro", w_own_logit=0.5, kd_over="items"), {"loss", "lm", "feat", "logit", "orth", "own_logit"}),
 ])
 def test_loss_terms_and_gradients_per_method(caches, recipe, terms):
     cache = TeacherCache.open(caches("all", "bfloat16"))
     model = _model(cache, recipe).train()
     out = model(cache.get(cache.split_ids("train")[:6]))
     assert set(out) == terms
-    weights = {"feat": recipe.w_feat, "logit": recipe.w_logit, "orth": recipe.w_orth}
+    weights = {"feat": recipe.w_feat, "logit": recipe.w_logit, "orth": recipe.w_orth, "own_logit": recipe.w_own_logit}
     assert torch.allclose(out["loss"], out["lm"] + sum(weights[t] * out[t] for t in terms - {"loss", "lm"}))
     out["loss"].backward()
     assert model.teacher_head.grad is None  # frozen teacher head
@@ -371,6 +373,24 @@ def test_sft_from_the_cache_reads_no_teacher_states(caches, examples, tmp_path, 
                      {"max_steps": 3, "batch_size": 16, "progress": False})
     assert record["final_step"] == 3 and record["stage1_steps"] == 0
     assert asked and all(kw == {"layers": [], "final_hidden": False, "logits": False} for kw in asked)
+
+
+def test_own_head_term_of_c2kd_is_vanilla_logit_kd(caches):
+    """--w-own-logit adds to C2KD exactly the loss --method logit-kd trains (the same student, batch)."""
+    cache = TeacherCache.open(caches("all", "bfloat16"))
+    batch = cache.get(cache.split_ids("train")[:6], layers=cache.spec.layers)
+    for kd_over in ("vocab", "items"):
+        both = _model(cache, DistillRecipe(student="micro", w_own_logit=0.5, kd_over=kd_over))(batch)
+        plain = _model(cache, DistillRecipe(student="micro", kd_over=kd_over))(batch)
+        vanilla = _model(cache, DistillRecipe(student="micro", method="logit-kd", kd_over=kd_over))(batch)
+        torch.testing.assert_close(both["own_logit"], vanilla["logit"])
+        torch.testing.assert_close(both["loss"], plain["loss"] + 0.5 * vanilla["logit"])
+        assert both["own_logit"].item() > 0
+    for wrong in (dict(method="logit-kd"), dict(cross_head=False)):
+        with pytest.raises(C2KDError, match="--w-own-logit .* needs --method c2kd with the cross-head"):
+            DistillRecipe(w_own_logit=0.5, **wrong)
+    with pytest.raises(C2KDError, match="--w-own-logit must be >= 0"):
+        DistillRecipe(w_own_logit=-1.0)
 
 
 def test_refusals_before_training(caches, examples, tmp_path_factory, tiny_source, tmp_path):

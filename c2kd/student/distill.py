@@ -47,7 +47,7 @@ DEFAULT_SELECT_METRIC = "NDCG@10"  # over the 20 stored validation candidates
 SELECT_METRICS = ("HR@1", "HR@5", "HR@10", "NDCG@5", "NDCG@10", "MRR")
 # Settings added after distill runs were first recorded, with the value those runs used: a finished
 # or interrupted run recorded without one is still the same run.
-SETTINGS_ADDED = {"kd_over": "vocab"}
+SETTINGS_ADDED = {"kd_over": "vocab", "w_own_logit": 0.0}
 
 
 @dataclass(frozen=True)
@@ -71,9 +71,12 @@ class DistillRecipe(LossWeights):
         parse_router(self.router)
         check_kd_support(self.kd_over, method=self.method)
         check_source(self.student, self.shrink, self.item_head)
-        for name in ("w_feat", "w_logit", "w_orth", "stage1_epochs"):
+        for name in ("w_feat", "w_logit", "w_orth", "w_own_logit", "stage1_epochs"):
             if getattr(self, name) < 0:
                 raise C2KDError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.w_own_logit > 0 and (self.method != "c2kd" or not self.cross_head):
+            raise C2KDError("--w-own-logit adds vanilla logit KD on the student's own head to C2KD's cross-head loss: "
+                            "it needs --method c2kd with the cross-head (for the own head alone: --method logit-kd)")
         for name in ("tau", "stage1_lr"):
             if getattr(self, name) <= 0:
                 raise C2KDError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")

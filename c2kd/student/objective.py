@@ -4,9 +4,13 @@
     logit-kd    L = L_LM + w_logit · τ² KL(teacher ‖ the student's own head)
     feature-kd  L = L_LM + w_feat · mean_i L_feat(A_i H_s^i, H_t^{m(i)})          (uniform layer map m)
     c2kd        L = L_LM + w_feat · L_feat(H_s^n, g_l*(H_t^l*)) + w_logit · L_logit + w_orth · L_orth
+                      [+ w_own_logit · τ² KL(teacher ‖ the student's own head)]
 
 with l* chosen per example by the router, n the student's penultimate layer and L_logit the soft
 cross-entropy between the teacher's logits and W_head,t · feat_mlp(H_s^n) at the answer positions.
+The bracketed term is not the paper's (w_own_logit = 0 by default): C2KD teaches the student's
+own head only through L_LM, while vanilla logit KD, which teaches it directly, matched or beat
+C2KD on the pretrained teachers; --w-own-logit adds that term to C2KD's.
 Ablations: --router fixed:L | soft, --no-orth, --no-cross-head (L_logit then uses the student's
 own head; there is no feat_mlp, so no L_orth either).
 
@@ -71,6 +75,7 @@ class LossWeights:
     w_logit: float = 0.5
     w_orth: float = 0.05
     tau: float = 1.0
+    w_own_logit: float = 0.0  # c2kd: a vanilla logit-KD term on the student's own head too (not the paper's)
     kd_over: str = "vocab"  # vocab | items | candidates: the support of the logit losses (module docstring)
 
 
@@ -115,7 +120,8 @@ class DistillModel(nn.Module):
         self.layer_map = dict(layer_map or {})
         self.adapters = nn.ModuleDict({str(i): nn.Linear(d_s, d_t, bias=False) for i in self.layer_map}) or None
         self.router_counts: dict[int, int] = {}
-        own_head = weights.method == "logit-kd" or (weights.method == "c2kd" and not weights.cross_head)
+        own_head = weights.method == "logit-kd" or (weights.method == "c2kd" and
+                                                    (not weights.cross_head or weights.w_own_logit > 0))
         if own_head and student.vocab_size != self.vocab_size:
             raise C2KDError(
                 f"--method {weights.method}{'' if weights.cross_head else ' --no-cross-head'} compares the student's "
@@ -149,11 +155,11 @@ class DistillModel(nn.Module):
         """Logits [N, V] at the real answer positions restricted to the KD rows and columns."""
         return z if rows is None else z[rows][:, self.kd_columns]
 
-    def kd_pair(self, z_student: Tensor, batch: CachedBatch, rows: Tensor | None) -> tuple[Tensor, Tensor]:
-        """(student, teacher) logits on the KD support at the KD rows: what the logit losses compare.
-        With --kd-over candidates both go from [n, items] to [n, C]: each row's example's candidates
-        in prompt order (a padded candidate, item 0, gets -inf)."""
-        teacher = self.teacher_logits(batch, rows)
+    def kd_pair(self, z_student: Tensor, teacher: Tensor, batch: CachedBatch,
+                rows: Tensor | None) -> tuple[Tensor, Tensor]:
+        """(student, teacher) logits on the KD support at the KD rows (`teacher`: `teacher_logits` of
+        those rows): what the logit losses compare. With --kd-over candidates both go from [n, items]
+        to [n, C]: each row's example's candidates in prompt order (a padded candidate, item 0, gets -inf)."""
         if self.w.kd_over != "candidates":
             return z_student, teacher
         if batch.candidates.shape[1] == 0:
@@ -188,10 +194,15 @@ def sft(m: DistillModel, batch: CachedBatch) -> dict[str, Tensor]:
     return {"loss": lm, "lm": lm}
 
 
+def own_head_kd(m: DistillModel, batch: CachedBatch, out: RecLMOutput, teacher: Tensor, rows: Tensor | None) -> Tensor:
+    """Vanilla logit KD: τ² KL(teacher ‖ the student's own head) on the KD support."""
+    return logit_kd_loss(*m.kd_pair(m.on_kd_support(out.logits, rows), teacher, batch, rows), None, m.w.tau)
+
+
 def logit_kd(m: DistillModel, batch: CachedBatch) -> dict[str, Tensor]:
     out = m.run_student(batch)
     rows = m.kd_rows(batch)
-    logit = logit_kd_loss(*m.kd_pair(m.on_kd_support(out.logits, rows), batch, rows), None, m.w.tau)
+    logit = own_head_kd(m, batch, out, m.teacher_logits(batch, rows), rows)
     return {"loss": out.loss + m.w.w_logit * logit, "lm": out.loss, "logit": logit}
 
 
@@ -221,11 +232,16 @@ def c2kd(m: DistillModel, batch: CachedBatch) -> dict[str, Tensor]:
         z = m.cross_head.logits(batch.answer_rows(h_n), m.teacher_head)
     else:
         z = m.cross_head.logits(batch.answer_rows(h_n)[kd_rows], m.kd_head)
-    logit = cross_head_kd_loss(*m.kd_pair(z, batch, kd_rows), None, m.w.tau)
-    uses_orth = m.cross_head is not None and m.w.orth
-    orth = orth_loss(m.cross_head.feat_mlp.weight) if uses_orth else torch.zeros((), device=logit.device)
-    terms = {"lm": out.loss, "feat": feat, "logit": logit, **({"orth": orth} if uses_orth else {})}
-    return {"loss": out.loss + m.w.w_feat * feat + m.w.w_logit * logit + m.w.w_orth * orth, **terms}
+    teacher = m.teacher_logits(batch, kd_rows)
+    logit = cross_head_kd_loss(*m.kd_pair(z, teacher, batch, kd_rows), None, m.w.tau)
+    zero = torch.zeros((), device=logit.device)
+    uses_orth, uses_own = m.cross_head is not None and m.w.orth, m.w.w_own_logit > 0
+    orth = orth_loss(m.cross_head.feat_mlp.weight) if uses_orth else zero
+    own = own_head_kd(m, batch, out, teacher, kd_rows) if uses_own else zero
+    terms = {"lm": out.loss, "feat": feat, "logit": logit, **({"orth": orth} if uses_orth else {}),
+             **({"own_logit": own} if uses_own else {})}
+    return {"loss": out.loss + m.w.w_feat * feat + m.w.w_logit * logit + m.w.w_orth * orth + m.w.w_own_logit * own,
+            **terms}
 
 
 OBJECTIVES = {"sft": sft, "logit-kd": logit_kd, "feature-kd": feature_kd, "c2kd": c2kd}
