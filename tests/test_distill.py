@@ -115,6 +115,8 @@ RECIPES = {
     "logit-kd-items": DistillRecipe(student="micro", method="logit-kd", kd_over="items"),
     "c2kd-candidates": DistillRecipe(student="micro", kd_over="candidates"),
     "logit-kd-candidates": DistillRecipe(student="micro", method="logit-kd", kd_over="candidates"),
+    "c2kd-own-logit": DistillRecipe(student="micro", w_own_logit=0.5),
+    "c2kd-own-logit-items": DistillRecipe(student="micro", w_own_logit=0.5, kd_over="items"),
 }
 
 
@@ -173,7 +175,7 @@ def test_small_topk_cache_gives_a_finite_loss_close_to_exact(caches):
     assert torch.isfinite(b) and b.item() != pytest.approx(a.item(), rel=1e-6)
     # with --kd-over items|candidates a top-8 row may hold no item (candidate) token: no teacher signal, and no NaN
     batch = top.get(ids)
-    for name in ("logit-kd-items", "c2kd-items", "logit-kd-candidates", "c2kd-candidates"):
+    for name in ("logit-kd-items", "c2kd-items", "logit-kd-candidates", "c2kd-candidates", "c2kd-own-logit-items"):
         model = _model(top, RECIPES[name]).train()
         out = model(batch)
         assert torch.isfinite(out["loss"]), name
@@ -346,17 +348,18 @@ def test_bf16_autocast_reaches_both_stages(caches, examples, tmp_path):
         assert bf16["loss"] == pytest.approx(fp32["loss"], rel=0.05)
 
 
-def test_a_run_recorded_before_kd_over_existed_is_still_the_same_run(caches, examples, tmp_path):
+def test_a_run_recorded_before_kd_over_and_w_own_logit_existed_is_still_the_same_run(caches, examples, tmp_path):
     cache, out = caches("all", "bfloat16"), tmp_path / "student"
     recipe, train_config = DistillRecipe(student="micro", max_train=16, eval_batch_size=16), {"max_steps": 1, "batch_size": 16, "progress": False}
     distill(cache, examples.root, out, recipe, train_config)
     recorded = json.loads((out / "recipe.json").read_text())
-    del recorded["kd_over"]  # as a run from before the setting wrote it
+    del recorded["kd_over"], recorded["w_own_logit"]  # as a run from before the settings wrote them
     (out / "recipe.json").write_text(json.dumps(recorded))
     assert distill(cache, examples.root, out, recipe, train_config)["already_complete"]
-    with pytest.raises(C2KDError, match=r"other settings \(kd_over\)"):
-        distill(cache, examples.root, out, DistillRecipe(student="micro", max_train=16, eval_batch_size=16,
-                                                         kd_over="items"), train_config)
+    for field, value in (("kd_over", "items"), ("w_own_logit", 0.5)):
+        with pytest.raises(C2KDError, match=rf"other settings \({field}\)"):
+            distill(cache, examples.root, out, DistillRecipe(student="micro", max_train=16, eval_batch_size=16,
+                                                             **{field: value}), train_config)
 
 
 def test_sft_from_the_cache_reads_no_teacher_states(caches, examples, tmp_path, monkeypatch):
@@ -379,7 +382,7 @@ def test_own_head_term_of_c2kd_is_vanilla_logit_kd(caches):
     """--w-own-logit adds to C2KD exactly the loss --method logit-kd trains (the same student, batch)."""
     cache = TeacherCache.open(caches("all", "bfloat16"))
     batch = cache.get(cache.split_ids("train")[:6], layers=cache.spec.layers)
-    for kd_over in ("vocab", "items"):
+    for kd_over in ("vocab", "items", "candidates"):
         both = _model(cache, DistillRecipe(student="micro", w_own_logit=0.5, kd_over=kd_over))(batch)
         plain = _model(cache, DistillRecipe(student="micro", kd_over=kd_over))(batch)
         vanilla = _model(cache, DistillRecipe(student="micro", method="logit-kd", kd_over=kd_over))(batch)

@@ -9,8 +9,8 @@
 with l* chosen per example by the router, n the student's penultimate layer and L_logit the soft
 cross-entropy between the teacher's logits and W_head,t · feat_mlp(H_s^n) at the answer positions.
 The bracketed term is not the paper's (w_own_logit = 0 by default): C2KD teaches the student's
-own head only through L_LM, while vanilla logit KD, which teaches it directly, matched or beat
-C2KD on the pretrained teachers; --w-own-logit adds that term to C2KD's.
+own head, the one that ranks at inference, only through L_LM; --w-own-logit also distils the
+teacher into it directly, as logit KD does (README: whether that helps).
 Ablations: --router fixed:L | soft, --no-orth, --no-cross-head (L_logit then uses the student's
 own head; there is no feat_mlp, so no L_orth either).
 
@@ -124,7 +124,8 @@ class DistillModel(nn.Module):
                                                     (not weights.cross_head or weights.w_own_logit > 0))
         if own_head and student.vocab_size != self.vocab_size:
             raise C2KDError(
-                f"--method {weights.method}{'' if weights.cross_head else ' --no-cross-head'} compares the student's "
+                f"--method {weights.method}{'' if weights.cross_head else ' --no-cross-head'}"
+                f"{' --w-own-logit' if weights.w_own_logit > 0 else ''} compares the student's "
                 f"own logits with the teacher's, but their vocabularies differ ({student.vocab_size} vs {self.vocab_size})"
             )
 
@@ -194,15 +195,15 @@ def sft(m: DistillModel, batch: CachedBatch) -> dict[str, Tensor]:
     return {"loss": lm, "lm": lm}
 
 
-def own_head_kd(m: DistillModel, batch: CachedBatch, out: RecLMOutput, teacher: Tensor, rows: Tensor | None) -> Tensor:
-    """Vanilla logit KD: τ² KL(teacher ‖ the student's own head) on the KD support."""
-    return logit_kd_loss(*m.kd_pair(m.on_kd_support(out.logits, rows), teacher, batch, rows), None, m.w.tau)
+def own_head_kd(m: DistillModel, batch: CachedBatch, logits: Tensor, teacher: Tensor, rows: Tensor | None) -> Tensor:
+    """Vanilla logit KD: τ² KL(teacher ‖ the student's own head, `logits` at the answer positions) on the KD support."""
+    return logit_kd_loss(*m.kd_pair(m.on_kd_support(logits, rows), teacher, batch, rows), None, m.w.tau)
 
 
 def logit_kd(m: DistillModel, batch: CachedBatch) -> dict[str, Tensor]:
     out = m.run_student(batch)
     rows = m.kd_rows(batch)
-    logit = own_head_kd(m, batch, out, m.teacher_logits(batch, rows), rows)
+    logit = own_head_kd(m, batch, out.logits, m.teacher_logits(batch, rows), rows)
     return {"loss": out.loss + m.w.w_logit * logit, "lm": out.loss, "logit": logit}
 
 
@@ -237,7 +238,7 @@ def c2kd(m: DistillModel, batch: CachedBatch) -> dict[str, Tensor]:
     zero = torch.zeros((), device=logit.device)
     uses_orth, uses_own = m.cross_head is not None and m.w.orth, m.w.w_own_logit > 0
     orth = orth_loss(m.cross_head.feat_mlp.weight) if uses_orth else zero
-    own = own_head_kd(m, batch, out, teacher, kd_rows) if uses_own else zero
+    own = own_head_kd(m, batch, out.logits, teacher, kd_rows) if uses_own else zero
     terms = {"lm": out.loss, "feat": feat, "logit": logit, **({"orth": orth} if uses_orth else {}),
              **({"own_logit": own} if uses_own else {})}
     return {"loss": out.loss + m.w.w_feat * feat + m.w.w_logit * logit + m.w.w_orth * orth + m.w.w_own_logit * own,

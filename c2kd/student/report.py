@@ -85,7 +85,7 @@ def plot_run(run_dir: Path, record: dict) -> Path:
     train_lines, epochs, evals = (read_log(run_dir, kind) for kind in ("train", "epoch", "eval"))
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     ax = axes[0]
-    for term in ("loss", "lm", "feat", "logit", "orth"):
+    for term in ("loss", "lm", "feat", "logit", "own_logit", "orth"):
         points = [(r["step"], r[term]) for r in train_lines if term in r]
         if points:
             ax.plot(*zip(*points), label=term)
