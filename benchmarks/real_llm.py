@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -30,6 +31,8 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
+
+import torch
 
 from c2kd.student.c2kd_modules import uniform_layer_map
 
@@ -51,6 +54,16 @@ METHODS = {
 }
 TRAIN_ORDER = ("SFT from cache", "C2KD", "logit KD", "feature KD")
 METRICS = (("candidates", "HR@1"), ("candidates", "NDCG@10"), ("candidates", "MRR"), ("full_catalog", "NDCG@10"))
+
+
+def machine() -> dict:
+    """The CPU this summary is written on: bf16 speed, and the last bits of every trained number, depend on it
+    (the same commands on another CPU give other kernels, so other rounding)."""
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""  # Linux; else no flags
+    fields = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in cpuinfo.splitlines() if ":" in line)}
+    return {"cpu": fields.get("model name", platform.processor()),
+            "bf16_instructions": sorted(set(fields.get("flags", "").split()) & {"amx_bf16", "avx512_bf16"}),
+            "cores": os.cpu_count(), "torch": torch.__version__}
 
 
 def c2kd(args: list[str], log: Path, threads: int) -> list[str]:
@@ -370,8 +383,9 @@ def main() -> None:
     parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True, help="train the teacher and "
                         "the students under bfloat16 autocast (--bf16 of train-teacher and distill, their validation "
                         "too); caches, test evaluations and the timed steps stay float32. On by default: it keeps the "
-                        "tier under 3 hours on a CPU with AMX/AVX512-BF16 (141 min against 220 in float32); --no-bf16 "
-                        "for float32 (the README's main tables, and CPUs without bf16 arithmetic)")
+                        "tier under 3 hours on a 2-core CPU with AMX (141 min against 220 in float32; slower on CPUs "
+                        "with only AVX512-BF16, see README); --no-bf16 for float32 (the README's main tables, and CPUs "
+                        "without bf16 arithmetic)")
     parser.add_argument("--quick", action="store_true", help="a smoke run on tiny subsets (the numbers mean nothing)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -387,6 +401,7 @@ def main() -> None:
     bench.head_step()
     result = bench.summary()
     result["seconds_this_run"] = round(time.perf_counter() - started)
+    result["machine"] = machine()  # of this run; a resumed tier may have trained earlier steps elsewhere
     (args.out / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
     (args.out / "summary.md").write_text(markdown(result))
     print(markdown(result))

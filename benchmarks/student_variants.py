@@ -3,7 +3,7 @@
     python benchmarks/student_variants.py --variant items --out runs/bench/real_llm --seeds 0 1 2 --json runs/bench/kd_over_items.json
     python benchmarks/student_variants.py --variant 6-epochs --methods "SFT from cache" C2KD "logit KD" ...
     python benchmarks/student_variants.py --variant own-logit --out runs/bench/real_llm_bf16 \
-        --summary benchmarks/results/real_llm_bf16_summary.json --json runs/bench/own_logit.json
+        --summary runs/bench/real_llm_bf16/summary.json --json runs/bench/own_logit.json
 
 Variants (VARIANTS): `items` / `candidates` = `--kd-over items|candidates` against the paper's `vocab`; `6-epochs` = twice
 the benchmark's 3 student epochs; `own-logit` = C2KD with `--w-own-logit 0.5` (vanilla logit KD on
@@ -70,7 +70,8 @@ def main() -> None:
     expected = {k: v[0] for k, v in recorded["families"][FAMILY]["rows"]["teacher"].items()}
     if teacher != expected:
         raise SystemExit(f"the rebuilt teacher's test metrics {teacher} differ from the recorded {expected}: the "
-                         "recorded vocab students do not belong to it; run real_llm.py in this folder first")
+                         "recorded vocab students do not belong to it (a teacher trained on another CPU differs in its "
+                         "last digits); run real_llm.py in this folder first")
     flags, default_methods = VARIANTS[args.variant]
     methods = args.methods or default_methods
     if "feature KD" in methods:
