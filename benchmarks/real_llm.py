@@ -379,7 +379,8 @@ def main() -> None:
     parser.add_argument("--max-seeds", type=int, default=3, help="train at most this many seeds per family now "
                         "(a later run without it adds the rest)")
     parser.add_argument("--gemma-seeds", type=int, default=1, choices=(1, 2, 3), help="seeds of Gemma's students "
-                        "(the tier's 3-hour budget holds for 1; each further seed adds about 40 minutes under --bf16)")
+                        "(the tier's 3-hour budget holds for 1; each further seed adds about 40 minutes under --bf16 "
+                        "on the AMX machine)")
     parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True, help="train the teacher and "
                         "the students under bfloat16 autocast (--bf16 of train-teacher and distill, their validation "
                         "too); caches, test evaluations and the timed steps stay float32. On by default: it keeps the "
