@@ -6,8 +6,8 @@
         --summary runs/bench/real_llm_bf16/summary.json --json runs/bench/own_logit.json
 
 Variants (VARIANTS): `items` / `candidates` = `--kd-over items|candidates` against the paper's `vocab`; `6-epochs` = twice
-the benchmark's 3 student epochs; `own-logit` = C2KD with `--w-own-logit 0.5` (vanilla logit KD on
-the student's own head added). Builds (or reuses) the benchmark's data, SASRec seed 0, SmolLM2
+the benchmark's 3 student epochs; `own-logit` / `own-logit-1` = C2KD with `--w-own-logit 0.5` / `1.0`
+(vanilla logit KD on the student's own head added). Builds (or reuses) the benchmark's data, SASRec seed 0, SmolLM2
 teacher and cache with `real_llm.py`'s own commands and settings, then distils the variant's
 students per method and seed. The baseline students are the benchmark's: read from the same
 folder where they exist, otherwise from its recorded summary, which is only valid when the
@@ -39,6 +39,7 @@ VARIANTS = {
     "candidates": (["--kd-over", "candidates"], ("C2KD", "logit KD")),
     "6-epochs": (["--epochs", "6"], ("SFT from cache", "C2KD", "logit KD")),  # after the benchmark's --epochs 3: wins
     "own-logit": (["--w-own-logit", "0.5"], ("C2KD",)),  # C2KD plus vanilla logit KD on the student's own head
+    "own-logit-1": (["--w-own-logit", "1.0"], ("C2KD",)),  # the same term at twice the weight
 }
 
 
@@ -94,7 +95,7 @@ def main() -> None:
             "mean difference": statistics.mean(diffs), "std difference": statistics.stdev(diffs) if len(diffs) > 1 else None}
         line = (f"{method}: {args.variant} {statistics.mean(variant):.3f} vs baseline {statistics.mean(baseline):.3f} "
                 f"test HR@1; paired difference {statistics.mean(diffs):+.3f} ({', '.join(f'{d:+.3f}' for d in diffs)})")
-        if args.variant == "own-logit":  # the added term is plain logit KD's: is C2KD with it above logit KD alone?
+        if args.variant.startswith("own-logit"):  # the added term is plain logit KD's: is C2KD with it above logit KD alone?
             vs_logit = [v - baseline_hr1(bench, recorded, "logit KD", s) for v, s in zip(variant, args.seeds)]
             result["methods"][method]["variant - benchmark's logit KD"] = vs_logit
             line += f"; minus the benchmark's logit KD {', '.join(f'{d:+.3f}' for d in vs_logit)}"
