@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -32,8 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
-import torch
-
+from c2kd.hardware import cpu_description
 from c2kd.student.c2kd_modules import uniform_layer_map
 
 FAMILIES = {
@@ -54,16 +52,6 @@ METHODS = {
 }
 TRAIN_ORDER = ("SFT from cache", "C2KD", "logit KD", "feature KD")
 METRICS = (("candidates", "HR@1"), ("candidates", "NDCG@10"), ("candidates", "MRR"), ("full_catalog", "NDCG@10"))
-
-
-def machine() -> dict:
-    """The CPU this summary is written on: bf16 speed, and the last bits of every trained number, depend on it
-    (the same commands on another CPU give other kernels, so other rounding)."""
-    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""  # Linux; else no flags
-    fields = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in cpuinfo.splitlines() if ":" in line)}
-    return {"cpu": fields.get("model name", platform.processor()),
-            "bf16_instructions": sorted(set(fields.get("flags", "").split()) & {"amx_bf16", "avx512_bf16"}),
-            "cores": os.cpu_count(), "torch": torch.__version__}
 
 
 def c2kd(args: list[str], log: Path, threads: int) -> list[str]:
@@ -402,7 +390,7 @@ def main() -> None:
     bench.head_step()
     result = bench.summary()
     result["seconds_this_run"] = round(time.perf_counter() - started)
-    result["machine"] = machine()  # of this run; a resumed tier may have trained earlier steps elsewhere
+    result["machine"] = cpu_description()  # of this run; a resumed tier may have trained earlier steps elsewhere
     (args.out / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
     (args.out / "summary.md").write_text(markdown(result))
     print(markdown(result))

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -64,13 +63,9 @@ def machine() -> dict:
 
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+    from c2kd.hardware import cpu_description
+
+    return {**cpu_description(), "python": platform.python_version(),
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
 

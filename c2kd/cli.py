@@ -633,11 +633,14 @@ def demo_command(
     teacher_epochs: Optional[int] = typer.Option(None, "--teacher-epochs", help="Default: the demo's preset."),
     student_epochs: Optional[int] = typer.Option(None, "--student-epochs", help="Default: the demo's preset."),
     max_train_per_user: Optional[int] = typer.Option(None, "--max-train-per-user", help="Default: the demo's preset."),
+    bf16: Optional[bool] = typer.Option(None, "--bf16/--no-bf16", help="bfloat16 autocast for training (evaluation "
+                                        "stays float32). Default: on where the CPU has native bf16 (AMX or AVX512-BF16)."),
 ) -> None:
     """The whole pipeline on MovieLens-100k with small presets (about five CPU minutes), ending in a comparison table."""
     from c2kd.demo import DemoSettings, run_demo
 
-    given = {"teacher_epochs": teacher_epochs, "student_epochs": student_epochs, "max_train_per_user": max_train_per_user}
+    given = {"teacher_epochs": teacher_epochs, "student_epochs": student_epochs, "max_train_per_user": max_train_per_user,
+             "bf16": bf16}
     with reporting_errors():
         run_demo(out, DemoSettings(seed=seed, **{k: v for k, v in given.items() if v is not None}))
 

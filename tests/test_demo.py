@@ -5,6 +5,7 @@ import json
 import pytest
 
 from c2kd.demo import DemoSettings, run_demo
+from c2kd.hardware import native_bf16
 
 
 @pytest.mark.slow
@@ -24,6 +25,12 @@ def test_demo_runs_every_stage_into_one_folder(tmp_path):
         assert 0.0 <= row["HR@1"] <= row["NDCG@10"] <= 1.0, name
         assert row["latency_ms"] > 0, name
     assert result["results"]["teacher"]["parameters"] > 0
+    # bf16 left to the CPU: on where it is native, and every training stage ran the same way
+    assert saved["settings"]["bf16"] is native_bf16()
+    for stage, record in (("teacher", "train.json"), ("student-sft", "distill.json"), ("student-c2kd", "distill.json")):
+        assert f'"bf16": {json.dumps(native_bf16())}' in (run / stage / record).read_text(), stage
+    assert saved["machine"]["cpu"] and saved["machine"]["cores"] >= 1
+    assert set(saved["timings_s"]) >= {"teacher", "cache", "student-sft", "student-c2kd", "evaluation"}
 
 
 def test_demo_refuses_a_non_empty_folder(tmp_path):

@@ -46,7 +46,8 @@ class LayerFilters(nn.Module):
         """{l: CE(head(norm(g_l(H_t^l))), labels)}; hidden [N, d_t] at answer positions, labels [N]: the
         head's class indices (the next tokens' ids; item indices with --kd-over items)."""
         projected = self.project(teacher_hidden_by_layer)
-        return {l: F.cross_entropy(self.head(self.norm(h)).float(), labels_at_answer) for l, h in projected.items()}
+        # the norm in float32 (under bf16 autocast g_l's output is bf16; RMSNorm's weight stays float32)
+        return {l: F.cross_entropy(self.head(self.norm(h.float())).float(), labels_at_answer) for l, h in projected.items()}
 
     def forward(self, teacher_hidden_by_layer: Mapping[int, Tensor], labels_at_answer: Tensor) -> dict[int, Tensor]:
         # Stage 1 trains through forward() (so that a DDP wrapper sees the call): the per-layer CEs.

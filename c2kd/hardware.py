@@ -1,0 +1,27 @@
+"""The CPU a run is on: recorded beside results, because speed and the last digits of every trained
+number depend on it (other kernels, other rounding), and whether bf16 autocast pays off on it."""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo flags of native bf16 matrix instructions
+
+
+def native_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (AMX or AVX512-BF16): there a bf16-autocast training
+    step took 0.62-0.65x the float32 one (benchmarks/bf16_step.py); elsewhere it is emulated."""
+    return torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+
+
+def cpu_description() -> dict:
+    """Model name, native bf16 instructions, cores and torch version of this machine."""
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""  # Linux; else no flags
+    fields = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in cpuinfo.splitlines() if ":" in line)}
+    return {"cpu": fields.get("model name", platform.processor() or platform.machine()),
+            "bf16_instructions": sorted(set(fields.get("flags", "").split()) & set(BF16_FLAGS)),
+            "cores": os.cpu_count(), "torch": torch.__version__}
