@@ -6,11 +6,11 @@
         'sft={"method": "sft"}' 'c2kd={"method": "c2kd"}' \\
         'c2kd_all={"method": "c2kd", "epochs": 1, "cache": "cache2829", "max_train": 2829}'
 
-Each NAME=JSON is one student: `distill` with the demo's settings (its student, first 2 layers
-of SmolLM2-135M; 640 cached examples, 3 epochs, lr 1e-3, batch 32, the first 200 validation
-examples select the best state) and the JSON's overrides: DistillRecipe fields, and `epochs`,
-`lr`, `cache` (a cache folder inside the run), `max_train`. A line per student (validation
-and test HR@1, test NDCG@10, wall seconds) goes to OUT/results.jsonl; a finished student is
+Each NAME=JSON is one student: `distill` with the run's settings (its results.json: seed, bf16,
+the student, its cached examples, epochs, lr, batch, the validation examples that select the best
+state) and the JSON's overrides: DistillRecipe fields, and `epochs`, `lr`, `cache` (a cache folder
+inside the run), `max_train`, `bf16`. A line per student (validation and test HR@1, test NDCG@10,
+wall seconds) goes to OUT/results.jsonl; a finished student is
 reported again, not retrained.
 """
 
@@ -21,7 +21,6 @@ import json
 import time
 from pathlib import Path
 
-from c2kd.demo import DemoSettings
 from c2kd.pipeline.examples import load_examples
 from c2kd.student.distill import DistillRecipe, distill
 
@@ -32,17 +31,18 @@ def main() -> None:
     parser.add_argument("students", nargs="+", help="NAME=JSON overrides, one student each")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    demo = DemoSettings()
+    ran = json.loads((args.run / "results.json").read_text())["settings"]
     examples = load_examples(args.run / "data")
     args.out.mkdir(parents=True, exist_ok=True)
     for spec in args.students:
         name, _, text = spec.partition("=")
         overrides = json.loads(text or "{}")
-        train = {"batch_size": demo.batch_size, "seed": demo.seed, "checkpoint_every": 10_000, "warmup_ratio": 0.05,
-                 "epochs": overrides.pop("epochs", demo.student_epochs), "lr": overrides.pop("lr", demo.student_lr)}
+        train = {"batch_size": ran["batch_size"], "seed": ran["seed"], "checkpoint_every": 10_000, "warmup_ratio": 0.05,
+                 "epochs": overrides.pop("epochs", ran["student_epochs"]), "lr": overrides.pop("lr", ran["student_lr"]),
+                 "bf16": overrides.pop("bf16", ran.get("bf16") or False)}  # runs before bf16: float32
         cache = args.run / overrides.pop("cache", "cache")
-        recipe = DistillRecipe(**{"student": demo.student, "shrink": demo.student_shrink,
-                                  "max_train": demo.student_max_train, "max_val": demo.max_val, **overrides})
+        recipe = DistillRecipe(**{"student": ran["student"], "shrink": ran["student_shrink"],
+                                  "max_train": ran["student_max_train"], "max_val": ran["max_val"], **overrides})
         start = time.perf_counter()
         record = distill(cache, examples, args.out / name, recipe, train)
         metrics = record["metrics"]

@@ -30,6 +30,10 @@ def test_demo_runs_every_stage_into_one_folder(tmp_path):
     for stage, record in (("teacher", "train.json"), ("student-sft", "distill.json"), ("student-c2kd", "distill.json")):
         assert f'"bf16": {json.dumps(native_bf16())}' in (run / stage / record).read_text(), stage
     assert saved["machine"]["cpu"] and saved["machine"]["cores"] >= 1
+    # the own-head term goes to the C2KD student only
+    recipes = {m: json.loads((run / f"student-{m}" / "recipe.json").read_text()) for m in ("sft", "c2kd")}
+    assert recipes["c2kd"]["w_own_logit"] == settings.w_own_logit > 0
+    assert recipes["sft"]["w_own_logit"] == 0.0
     assert set(saved["timings_s"]) >= {"teacher", "cache", "student-sft", "student-c2kd", "evaluation"}
 
 
