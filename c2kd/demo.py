@@ -2,10 +2,10 @@
 
 prepare → SASRec → teacher (pretrained SmolLM2 layers, `ids`, hybrid item head) → teacher cache →
 a student trained alone from the cache (SFT) and a C2KD student (with the own-head logit term,
-`--w-own-logit`), both of the same pretrained family and size → evaluation on the test split → a comparison table (quality, share of the
-teacher-student gap the distilled student recovers, parameters, per-request latency) → the C2KD
-student exported to ONNX, recommending to one user with onnxruntime alone. Everything goes
-under one run folder.
+`--w-own-logit`), both of the same pretrained family and size → evaluation on the test split →
+a comparison table (quality, share of the teacher-student gap the distilled student recovers,
+parameters, per-request latency) → the C2KD student exported to ONNX, recommending to one user
+with onnxruntime alone. Everything goes under one run folder.
 """
 
 from __future__ import annotations
@@ -155,7 +155,8 @@ def run_demo(out: Path | None = None, settings: DemoSettings = DemoSettings()) -
     return result
 
 
-def _compare(run: Path, examples, students: dict[str, str], student_tests: dict[str, dict], latency_requests: int) -> dict:
+def _compare(run: Path, examples, students: dict[str, str], student_tests: dict[str, dict],
+             latency_requests: int) -> dict:
     """Test metrics, parameters and batch-1 latency of SASRec, the teacher and the students (their test
     metrics as distill measured them), as a table."""
     test, titles = examples.split("test"), examples.titles()
