@@ -633,8 +633,9 @@ def demo_command(
     teacher_epochs: Optional[int] = typer.Option(None, "--teacher-epochs", help="Default: the demo's preset."),
     student_epochs: Optional[int] = typer.Option(None, "--student-epochs", help="Default: the demo's preset."),
     max_train_per_user: Optional[int] = typer.Option(None, "--max-train-per-user", help="Default: the demo's preset."),
-    bf16: Optional[bool] = typer.Option(None, "--bf16/--no-bf16", help="bfloat16 autocast for training (evaluation "
-                                        "stays float32). Default: on where the CPU has native bf16 (AMX or AVX512-BF16)."),
+    bf16: Optional[bool] = typer.Option(None, "--bf16/--no-bf16", help="bfloat16 autocast for training and its "
+                                        "validation (the table's test metrics stay float32). Default: on where the CPU "
+                                        "has native bf16 (AMX or AVX512-BF16)."),
 ) -> None:
     """The whole pipeline on MovieLens-100k with small presets (about five CPU minutes), ending in a comparison table."""
     from c2kd.demo import DemoSettings, run_demo

@@ -13,14 +13,15 @@ BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo flags of native bf16 m
 
 
 def native_bf16() -> bool:
-    """Whether this CPU computes bf16 natively (AMX or AVX512-BF16): there a bf16-autocast training
-    step took 0.62-0.65x the float32 one (benchmarks/bf16_step.py); elsewhere it is emulated."""
+    """Whether this CPU computes bf16 natively (AMX tiles or AVX512-BF16): a SmolLM2 bf16-autocast
+    training step took 0.62-0.63x the float32 one with AMX and 0.62-0.65x with AVX512-BF16
+    (benchmarks/bf16_step.py); elsewhere bf16 is emulated."""
     return torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
 
 
-def cpu_description() -> dict:
+def cpu_description(cpuinfo_path: Path = Path("/proc/cpuinfo")) -> dict:
     """Model name, native bf16 instructions, cores and torch version of this machine."""
-    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""  # Linux; else no flags
+    cpuinfo = cpuinfo_path.read_text() if cpuinfo_path.exists() else ""  # Linux; elsewhere no flags
     fields = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in cpuinfo.splitlines() if ":" in line)}
     return {"cpu": fields.get("model name", platform.processor() or platform.machine()),
             "bf16_instructions": sorted(set(fields.get("flags", "").split()) & set(BF16_FLAGS)),

@@ -9,10 +9,11 @@ from c2kd.hardware import native_bf16
 
 
 @pytest.mark.slow
-def test_demo_runs_every_stage_into_one_folder(tmp_path):
+@pytest.mark.parametrize("bf16", [None, not native_bf16()], ids=["bf16-as-the-cpu", "bf16-overridden"])
+def test_demo_runs_every_stage_into_one_folder(tmp_path, bf16):
     settings = DemoSettings(max_train_per_user=1, sasrec_epochs=1, teacher="tiny-teacher", teacher_shrink=None,
                             teacher_epochs=1, teacher_max_train=64, student="micro", student_shrink=None,
-                            student_epochs=1, student_max_train=64, max_val=16, latency_requests=3)
+                            student_epochs=1, student_max_train=64, max_val=16, latency_requests=3, bf16=bf16)
     run = tmp_path / "demo"
     result = run_demo(run, settings)
 
@@ -25,10 +26,15 @@ def test_demo_runs_every_stage_into_one_folder(tmp_path):
         assert 0.0 <= row["HR@1"] <= row["NDCG@10"] <= 1.0, name
         assert row["latency_ms"] > 0, name
     assert result["results"]["teacher"]["parameters"] > 0
-    # bf16 left to the CPU: on where it is native, and every training stage ran the same way
-    assert saved["settings"]["bf16"] is native_bf16()
+    # bf16 as asked, else as the CPU has it, and every training stage ran the same way
+    expected = native_bf16() if bf16 is None else bf16
+    assert saved["settings"]["bf16"] is expected
     for stage, record in (("teacher", "train.json"), ("student-sft", "distill.json"), ("student-c2kd", "distill.json")):
-        assert f'"bf16": {json.dumps(native_bf16())}' in (run / stage / record).read_text(), stage
+        assert f'"bf16": {json.dumps(expected)}' in (run / stage / record).read_text(), stage
+    # the table's student rows are the test metrics their distill run measured
+    for name, method in (("student alone (SFT)", "sft"), ("C2KD student", "c2kd")):
+        measured = json.loads((run / f"student-{method}" / "distill.json").read_text())["metrics"]["test"]["candidates"]
+        assert {k: saved["results"][name][k] for k in measured} == measured, name
     assert saved["machine"]["cpu"] and saved["machine"]["cores"] >= 1
     # the own-head term goes to the C2KD student only
     recipes = {m: json.loads((run / f"student-{m}" / "recipe.json").read_text()) for m in ("sft", "c2kd")}
