@@ -10,9 +10,9 @@ Each NAME=JSON is one student: `distill` with the run's settings (its results.js
 the student, its cached examples, epochs, lr, batch, the validation examples that select the best
 state) and the JSON's overrides: DistillRecipe fields, and `epochs`, `lr`, `cache` (a cache folder
 inside the run), `max_train`, `bf16`. The method and its weights come from the JSON alone: the
-run's `w_own_logit` is not applied (`{"method": "c2kd"}` is the paper's C2KD). A line per student (validation and test HR@1, test NDCG@10,
-wall seconds) goes to OUT/results.jsonl; a finished student is
-reported again, not retrained.
+run's `w_own_logit` is not applied (`{"method": "c2kd"}` is the paper's C2KD). A line per
+student (validation and test HR@1, test NDCG@10, wall seconds) goes to OUT/results.jsonl; a
+finished student is reported again, not retrained.
 """
 
 from __future__ import annotations

@@ -65,8 +65,7 @@ class DemoSettings:
     batch_size: int = 32
     latency_requests: int = 30
     # bfloat16 autocast for the teacher's and the students' training and the validation that selects
-    # their best states (the table's test metrics stay float32). None = where the CPU has native bf16
-    # (AMX or AVX512-BF16): a SmolLM2 training step there took 0.62-0.65x the float32 one
+    # their best states (the table's test metrics stay float32). None = where `native_bf16()`
     bf16: bool | None = None
 
 
@@ -117,12 +116,12 @@ def run_demo(out: Path | None = None, settings: DemoSettings = DemoSettings()) -
     students = {"student alone (SFT)": "sft", "C2KD student": "c2kd"}
     student_tests = {}  # distill ends by evaluating its student on the test split: not done twice
     for i, (name, method) in enumerate(students.items()):
-        extra = f" (--w-own-logit {s.w_own_logit:g})" if method == "c2kd" and s.w_own_logit else ""
-        t = _step(f"{5 + i}/7 stage two: {name}{extra}, from the cache only")
+        own_head = s.w_own_logit if method == "c2kd" else 0.0
+        weight = f" (--w-own-logit {own_head:g})" if own_head else ""
+        t = _step(f"{5 + i}/7 stage two: {name}{weight}, from the cache only")
         record = distill(run / "cache", examples, run / f"student-{method}",
                          DistillRecipe(method=method, student=s.student, shrink=s.student_shrink,
-                                       max_train=s.student_max_train, max_val=s.max_val,
-                                       w_own_logit=s.w_own_logit if method == "c2kd" else 0.0),
+                                       max_train=s.student_max_train, max_val=s.max_val, w_own_logit=own_head),
                          {**train_common, "epochs": s.student_epochs, "lr": s.student_lr})
         student_tests[name] = record["metrics"]["test"]["candidates"]
         timings[f"student-{method}"] = time.perf_counter() - t
