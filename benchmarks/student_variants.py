@@ -8,8 +8,8 @@
 Variants (VARIANTS): `items` / `candidates` = `--kd-over items|candidates` against the paper's `vocab`; `6-epochs` = twice
 the benchmark's 3 student epochs; `own-logit` / `own-logit-1` / `own-logit-2` / `own-logit-4` /
 `own-logit-8` = C2KD with `--w-own-logit` 0.5 / 1.0 / 2.0 / 4.0 / 8.0 (vanilla logit KD on the student's own head
-added); `logit-4` = logit KD with `--w-logit 4.0` (its default 0.5). Builds (or
-reuses) the benchmark's data, SASRec seed 0, SmolLM2 teacher and cache with `real_llm.py`'s own commands and settings, then distils the variant's
+added); `logit-4` = logit KD and `cross-head-4` = C2KD with `--w-logit 4.0` (the weight of its KD term;
+0.5 by default). Builds (or reuses) the benchmark's data, SASRec seed 0, SmolLM2 teacher and cache with `real_llm.py`'s own commands and settings, then distils the variant's
 students per method and seed. The baseline students are the benchmark's: read from the same
 folder where they exist, otherwise from its recorded summary, which is only valid when the
 rebuilt teacher's test metrics equal the recorded ones (checked; the script stops otherwise).
@@ -44,8 +44,9 @@ VARIANTS = {
     "own-logit-2": (["--w-own-logit", "2.0"], ("C2KD",)),  # and at four times
     "own-logit-4": (["--w-own-logit", "4.0"], ("C2KD",)),  # and at eight
     "own-logit-8": (["--w-own-logit", "8.0"], ("C2KD",)),  # and at sixteen: where does the gain stop?
-    # is the own-head term's gain only a heavier KD weight? plain logit KD at the weight of own-logit-4
+    # is the own-head term's gain only a heavier KD weight? plain logit KD, and C2KD's cross-head term, at 4.0
     "logit-4": (["--w-logit", "4.0"], ("logit KD",)),
+    "cross-head-4": (["--w-logit", "4.0"], ("C2KD",)),
 }
 
 
