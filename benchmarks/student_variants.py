@@ -5,12 +5,13 @@
     python benchmarks/student_variants.py --variant own-logit --out runs/bench/real_llm_bf16 \
         --summary runs/bench/real_llm_bf16/summary.json --json runs/bench/own_logit.json
 
-Variants (VARIANTS): `items` / `candidates` = `--kd-over items|candidates` against the paper's `vocab`; `6-epochs` = twice
-the benchmark's 3 student epochs; `own-logit` / `own-logit-1` / `own-logit-2` / `own-logit-4` /
-`own-logit-8` = C2KD with `--w-own-logit` 0.5 / 1.0 / 2.0 / 4.0 / 8.0 (vanilla logit KD on the student's own head
-added); `logit-4` = logit KD and `cross-head-4` = C2KD with `--w-logit 4.0` (the weight of its KD term;
-0.5 by default). Builds (or reuses) the benchmark's data, SASRec seed 0, SmolLM2 teacher and cache with `real_llm.py`'s own commands and settings, then distils the variant's
-students per method and seed. The baseline students are the benchmark's: read from the same
+Variants (VARIANTS): `items` / `candidates` = `--kd-over items|candidates` against the paper's
+`vocab`; `6-epochs` = twice the benchmark's 3 student epochs; `own-logit` / `own-logit-1` / `-2` /
+`-4` / `-8` = C2KD with `--w-own-logit` 0.5 / 1.0 / 2.0 / 4.0 / 8.0 (vanilla logit KD on the
+student's own head added); `logit-4` = logit KD and `cross-head-4` = C2KD with `--w-logit 4.0`
+(the weight of their KD term; 0.5 by default). Builds (or reuses) the benchmark's data, SASRec
+seed 0, SmolLM2 teacher and cache with `real_llm.py`'s own commands and settings, then distils the
+variant's students per method and seed. The baseline students are the benchmark's: read from the same
 folder where they exist, otherwise from its recorded summary, which is only valid when the
 rebuilt teacher's test metrics equal the recorded ones (checked; the script stops otherwise).
 `--summary` names the benchmark run paired with (its settings, teacher and rows; default: the
