@@ -65,7 +65,7 @@ class DemoSettings:
     batch_size: int = 32
     latency_requests: int = 30
     # bfloat16 autocast for the teacher's and the students' training and the validation that selects
-    # their best states (the table's test metrics stay float32). None = where `native_bf16()`
+    # their best states (the table's test metrics stay float32). None: on where `native_bf16()` says so
     bf16: bool | None = None
 
 
