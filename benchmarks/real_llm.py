@@ -151,7 +151,7 @@ class Bench:
             "train-teacher", *self.common(), "--sasrec", str(self.sasrec), "--out", str(root / "teacher"),
             "--model", fam["alias"], "--lr", str(a.teacher_lr),
             "--epochs", str(1 if a.quick else a.teacher_epochs or fam["teacher_epochs"]), "--batch-size", "32",
-            "--checkpoint-every", "25", *self.history_loss(), *self.bf16()])
+            "--checkpoint-every", "25", *self.history_loss(), *self.sasrec_kd(), *self.bf16()])
         self.step(f"{name}/teacher-test", root / "teacher-test.json", [
             "evaluate", "--model", str(root / "teacher"), "--data", str(self.data), "--split", "test",
             "--out", str(root / "teacher-test.json")])
@@ -162,6 +162,10 @@ class Bench:
     def history_loss(self) -> list[str]:
         """The teacher's next-history-item loss weight, when the run asks for one."""
         return ["--history-loss", str(self.args.history_loss)] if self.args.history_loss else []
+
+    def sasrec_kd(self) -> list[str]:
+        """The teacher's SASRec distillation weight, when the run asks for one (the students never get it)."""
+        return ["--sasrec-kd", str(self.args.teacher_sasrec_kd)] if self.args.teacher_sasrec_kd else []
 
     def bf16(self) -> list[str]:
         """bfloat16 autocast for every training command (teacher and students), when the run asks for it."""
@@ -364,6 +368,8 @@ def main() -> None:
     parser.add_argument("--student-epochs", type=int, default=3)
     parser.add_argument("--history-loss", type=float, default=0.0, help="the teacher's next-history-item loss weight "
                         "(train-teacher --history-loss); the students alone are also trained with it, as an extra row")
+    parser.add_argument("--teacher-sasrec-kd", type=float, default=0.0, help="train the teacher with "
+                        "train-teacher --sasrec-kd W (SASRec seed 0's catalog distribution distilled into its answer item)")
     parser.add_argument("--max-seeds", type=int, default=3, help="train at most this many seeds per family now "
                         "(a later run without it adds the rest)")
     parser.add_argument("--gemma-seeds", type=int, default=1, choices=(1, 2, 3), help="seeds of Gemma's students "

@@ -68,8 +68,9 @@ def main() -> None:
     parser.add_argument("--summary", type=Path, default=RECORDED, help="the benchmark run's summary.json to pair with")
     args = parser.parse_args()
     recorded = json.loads(args.summary.read_text())
-    # runs recorded before --history-loss, --bf16 and --gemma-seeds existed had none of them
-    settings = argparse.Namespace(**{"history_loss": 0.0, "bf16": False, "gemma_seeds": 1, **recorded["settings"],
+    # runs recorded before --history-loss, --teacher-sasrec-kd, --bf16 and --gemma-seeds existed had none of them
+    settings = argparse.Namespace(**{"history_loss": 0.0, "teacher_sasrec_kd": 0.0, "bf16": False, "gemma_seeds": 1,
+                                     **recorded["settings"],
                                      "out": args.out, "families": [FAMILY], "quick": False})
     args.out.mkdir(parents=True, exist_ok=True)
     bench = Bench(settings)

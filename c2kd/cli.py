@@ -263,6 +263,7 @@ def train_teacher_cmd(
     lora_alpha: Optional[float] = typer.Option(None, "--lora-alpha", help="LoRA alpha (default 2 x rank)."),
     lora_dropout: float = typer.Option(0.05, "--lora-dropout", help="Dropout on the LoRA inputs."),
     history_loss: float = typer.Option(0.0, "--history-loss", help="ids: also train every history item token to name the next history item (SASRec's every-position objective), with this weight."),
+    sasrec_kd: float = typer.Option(0.0, "--sasrec-kd", help="ids: also distil the SASRec run's catalog distribution into the answer item's logits (KL, this weight): collaborative knowledge for a pretrained LM."),
     epochs: Epochs = None, max_steps: MaxSteps = None, batch_size: BatchSize = None, grad_accum: GradAccum = None,
     lr: Lr = None, weight_decay: WeightDecay = None, warmup_ratio: WarmupRatio = None, max_grad_norm: MaxGradNorm = None,
     checkpoint_every: CheckpointEvery = None, eval_every: EvalEvery = None, seed: Seed = None, bf16: Bf16 = False,
@@ -280,7 +281,7 @@ def train_teacher_cmd(
         recipe = TeacherRecipe(
             fmt=fmt, model=model, shrink=shrink, item_head=item_head, max_train=max_train, max_val=max_val,
             lora=LoraSettings(r=lora_r, alpha=lora_alpha, dropout=lora_dropout) if lora_r is not None else None,
-            history_loss=history_loss,
+            history_loss=history_loss, sasrec_kd=sasrec_kd,
         )
         config = _train_config(epochs=epochs, max_steps=max_steps, batch_size=batch_size, grad_accum=grad_accum, lr=lr,
                                weight_decay=weight_decay, warmup_ratio=warmup_ratio, max_grad_norm=max_grad_norm,

@@ -52,6 +52,7 @@ class DemoSettings:
     teacher_epochs: int = 1
     teacher_lr: float = 1e-4
     teacher_max_train: int | None = 512
+    teacher_sasrec_kd: float = 0.0  # train-teacher --sasrec-kd: SASRec's catalog distribution distilled into the teacher
     student: str = "smollm2-135m"
     student_shrink: str | None = "first:2"  # 15x fewer non-embedding parameters than the teacher
     student_epochs: int = 3
@@ -104,7 +105,7 @@ def run_demo(out: Path | None = None, settings: DemoSettings = DemoSettings()) -
     t = _step(f"3/7 teacher ({s.teacher}{' ' + s.teacher_shrink if s.teacher_shrink else ''}, ids format)")
     train_teacher(examples, run / "sasrec", run / "teacher",
                   TeacherRecipe(fmt="ids", model=s.teacher, shrink=s.teacher_shrink, max_train=s.teacher_max_train,
-                                max_val=s.max_val),
+                                max_val=s.max_val, sasrec_kd=s.teacher_sasrec_kd),
                   {**train_common, "epochs": s.teacher_epochs, "lr": s.teacher_lr})
     timings["teacher"] = time.perf_counter() - t
 

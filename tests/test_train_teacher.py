@@ -14,10 +14,12 @@ from c2kd.cli import app
 from c2kd.errors import C2KDError
 from c2kd.pipeline import teacher
 from c2kd.pipeline.examples import load_examples
-from c2kd.pipeline.sasrec import SASRecTrainConfig, load_item_embeddings, train_sasrec
+from c2kd.pipeline.sasrec import (SASRecTrainConfig, SplitTensors, catalog_scores, load_item_embeddings, load_sasrec,
+                                  train_sasrec)
 from c2kd.pipeline.teacher import LoraSettings, TeacherRecipe, build_model, train_teacher
 from c2kd.run_folder import partial_dir
 from c2kd.recmodel.model import RecLM
+from c2kd.recmodel.prompts import PromptEncoder, collate, encode_frame
 from c2kd.evaluate import RecLMEvaluator
 
 FAST = ["--model", "micro", "--max-train", "40", "--batch-size", "8", "--epochs", "2", "--max-val", "16",
@@ -139,6 +141,39 @@ def test_history_loss_trains_and_logs_both_terms(tiny_examples_dir, sasrec_run, 
     assert step["history"] > 0
 
 
+def test_sasrec_kd_trains_toward_sasrec_and_logs_its_term(tiny_examples_dir, sasrec_run, tmp_path):
+    recipe = TeacherRecipe(fmt="ids", model="micro", max_train=16, max_val=8, sasrec_kd=2.0)
+    record = train_teacher(tiny_examples_dir, sasrec_run, tmp_path / "k", recipe, dict(FAST_CONFIG, epochs=1))
+    assert record["final_step"] == 2
+    log = [json.loads(line) for line in (tmp_path / "k" / "log.jsonl").read_text().splitlines()]
+    step = next(r for r in log if r["kind"] == "train")
+    assert step["loss"] == pytest.approx(step["answer"] + 2.0 * step["sasrec_kd"], rel=1e-5)
+    assert step["sasrec_kd"] > 0
+
+
+def test_sasrec_kd_term_is_the_kl_from_sasrec_at_the_answer_item(tiny_examples_dir, sasrec_run):
+    examples = load_examples(tiny_examples_dir)
+    model = build_model(TeacherRecipe(fmt="ids", model="micro"), examples, load_item_embeddings(sasrec_run), seed=0)
+    frame = examples.split("train")[:6]
+    encoder = PromptEncoder(model.tokenizer, "ids", examples.titles())
+    batch_of = teacher.with_sasrec_logits(lambda b: collate(b, encoder.pad_id), sasrec_run, frame)
+    encoded = encode_frame(encoder, frame)
+    batch = batch_of(encoded[::-1])  # any order: the scores follow their examples
+    sasrec, _ = load_sasrec(sasrec_run)
+    expected_scores = catalog_scores(sasrec, SplitTensors.from_frame(frame).seq).flip(0)
+    assert torch.equal(batch["sasrec_logits"], expected_scores)
+    terms = teacher.teacher_loss(0.0, 1.0, model.item_token_ids)(model, batch)
+    # the same KL, from the model's item scores at the position that predicts the answer item
+    inputs = {k: v for k, v in batch.items() if k not in ("labels", "sasrec_logits")}
+    h = model.decode(**inputs).last_hidden_state
+    at = torch.tensor([e.prompt_length - 1 for e in encoded[::-1]])
+    items = model.item_scores(h[torch.arange(len(at)), at])[:, 1:]
+    kl = torch.nn.functional.kl_div(items.log_softmax(-1), expected_scores[:, 1:].log_softmax(-1), log_target=True,
+                                    reduction="batchmean")
+    assert terms["sasrec_kd"].item() == pytest.approx(kl.item(), rel=1e-4)
+    assert terms["loss"].item() == pytest.approx((terms["answer"] + terms["sasrec_kd"]).item(), rel=1e-6)
+
+
 def test_clear_errors(tiny_examples_dir, sasrec_run, tmp_path):
     runner = CliRunner()
     base = ["train-teacher", "--data", str(tiny_examples_dir), "--sasrec", str(sasrec_run), "--out", str(tmp_path / "x")]
@@ -149,6 +184,8 @@ def test_clear_errors(tiny_examples_dir, sasrec_run, tmp_path):
         (["--model", "micro", "--batch-size", "0"], "batch_size must be >= 1"),
         (["--model", "micro", "--format", "llara", "--history-loss", "1"], "--history-loss"),
         (["--model", "micro", "--history-loss", "-1"], "--history-loss must be >= 0"),
+        (["--model", "micro", "--format", "llara", "--sasrec-kd", "1"], "--sasrec-kd"),
+        (["--model", "micro", "--sasrec-kd", "-1"], "--sasrec-kd must be >= 0"),
     ]:
         result = runner.invoke(app, base + extra)
         assert result.exit_code == 1 and message in result.output, result.output

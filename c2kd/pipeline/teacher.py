@@ -23,7 +23,9 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import polars as pl
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from c2kd.atomic import write_json
@@ -31,11 +33,13 @@ from c2kd.distributed import dist_env
 from c2kd.errors import C2KDError
 from c2kd.evaluate import RecLMEvaluator
 from c2kd.pipeline.examples import ExampleSet, fixed_subset, load_examples
-from c2kd.pipeline.sasrec import check_fingerprint, load_item_embeddings, read_run_config
+from c2kd.pipeline.sasrec import (SplitTensors, catalog_scores, check_fingerprint, load_item_embeddings, load_sasrec,
+                                  read_run_config)
 from c2kd.recmodel.build import build_model as build_reclm
 from c2kd.recmodel.build import check_source
 from c2kd.recmodel.model import RecLM
-from c2kd.recmodel.prompts import EncodedExample, PromptEncoder, check_format, collate, encode_frame, next_history_items
+from c2kd.recmodel.prompts import (EncodedExample, PromptEncoder, check_format, collate, encode_frame, first_answer_rows,
+                                   next_history_items)
 from c2kd.recmodel.tokenizer import build_word_tokenizer
 from c2kd.run_folder import check_or_write_recipe, claim, finished_run, publish
 from c2kd.training import ExampleBatches, TrainConfig, TrainResult, comparable_config, train
@@ -46,6 +50,7 @@ RECIPE = "train-teacher"
 DEFAULT_SELECT_METRIC = "NDCG@10"  # over the 20 stored validation candidates
 # Projection layers LoRA adapts in Llama-style models (Llama, Qwen2, Mistral, SmolLM2, ...).
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+NEWER_SETTINGS = {"sasrec_kd": 0.0}  # recipe fields that runs recorded before them did not write (they had this value)
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,7 @@ class TeacherRecipe:
     select_metric: str = DEFAULT_SELECT_METRIC
     eval_batch_size: int = 32
     history_loss: float = 0.0  # weight of the next-history-item loss (ids), SASRec's every-position objective
+    sasrec_kd: float = 0.0  # weight of KL(SASRec's catalog distribution || the model's) at the answer item (ids)
 
     def __post_init__(self) -> None:
         check_format(self.fmt)
@@ -84,6 +90,10 @@ class TeacherRecipe:
             raise C2KDError(f"--history-loss must be >= 0, got {self.history_loss}")
         if self.history_loss and self.fmt != "ids":
             raise C2KDError("--history-loss trains item tokens to name the next history item: it needs --format ids")
+        if self.sasrec_kd < 0:
+            raise C2KDError(f"--sasrec-kd must be >= 0, got {self.sasrec_kd}")
+        if self.sasrec_kd and self.fmt != "ids":
+            raise C2KDError("--sasrec-kd distils SASRec's scores into the item tokens' logits: it needs --format ids")
         check_source(self.model, self.shrink, self.item_head, self.fmt)
         for name in ("max_train", "max_val"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
@@ -126,13 +136,40 @@ def answer_loss(model: nn.Module, batch: dict) -> dict[str, torch.Tensor]:
     return {"loss": model(**batch).loss}
 
 
-def answer_and_history_loss(weight: float) -> Callable[[nn.Module, dict], dict[str, torch.Tensor]]:
-    """The answer loss + `weight` x the cross-entropy of every history item token naming the next
-    history item over the catalog (`next_history_items`)."""
+def teacher_loss(history: float, sasrec_kd: float, item_token_ids: torch.Tensor) -> Callable[[nn.Module, dict], dict[str, torch.Tensor]]:
+    """The answer loss + `history` x the cross-entropy of every history item token naming the next
+    history item over the catalog (`next_history_items`) + `sasrec_kd` x KL(SASRec ‖ model) over
+    the catalog at the answer item (the batch's `sasrec_logits`, see `with_sasrec_logits`)."""
+    item_columns = item_token_ids[1:]
+
     def loss_fn(model: nn.Module, batch: dict) -> dict[str, torch.Tensor]:
-        out = model(**batch, item_labels=next_history_items(batch["slot_items"]))
-        return {"loss": out.loss + weight * out.item_loss, "answer": out.loss, "history": out.item_loss}
+        inputs = {k: v for k, v in batch.items() if k != "sasrec_logits"}
+        labels = next_history_items(batch["slot_items"]) if history else None
+        out = model(**inputs, item_labels=labels)
+        terms = {"answer": out.loss}
+        if history:
+            terms["history"] = out.item_loss
+        if sasrec_kd:
+            items = out.logits[first_answer_rows(batch["labels"]).to(out.logits.device)][:, item_columns.to(out.logits.device)]
+            sasrec = F.log_softmax(batch["sasrec_logits"][:, 1:].float(), -1)
+            terms["sasrec_kd"] = F.kl_div(F.log_softmax(items.float(), -1), sasrec, log_target=True, reduction="batchmean")
+        loss = out.loss + history * terms.get("history", 0.0) + sasrec_kd * terms.get("sasrec_kd", 0.0)
+        return {"loss": loss, **terms}
     return loss_fn
+
+
+def with_sasrec_logits(collate_fn: Callable[[list], dict], sasrec: str | Path, frame: pl.DataFrame) -> Callable[[list], dict]:
+    """`collate_fn` that also hands over SASRec's catalog scores after each example's history
+    (`sasrec_logits` [B, N + 1]), computed once here for every example of `frame`."""
+    model, _ = load_sasrec(sasrec)
+    scores = catalog_scores(model, SplitTensors.from_frame(frame).seq)
+    row_of = {int(eid): row for row, eid in enumerate(frame["example_id"].to_list())}
+
+    def collate_with_scores(batch: list[EncodedExample]) -> dict:
+        out = collate_fn(batch)
+        out["sasrec_logits"] = scores[[row_of[e.example_id] for e in batch]]
+        return out
+    return collate_with_scores
 
 
 def train_teacher(
@@ -157,12 +194,12 @@ def train_teacher(
     rank = dist_env()[0]
     recipe_record = {"recipe": RECIPE, **asdict(recipe), "train": comparable_config(config),
                      "data_fingerprint": examples.fingerprint, "sasrec": str(Path(sasrec).resolve())}
-    finished = finished_run(out, recipe_record, "train.json", overwrite)
+    finished = finished_run(out, recipe_record, "train.json", overwrite, NEWER_SETTINGS)
     if finished is not None:
         return {**finished, "already_complete": True}
 
     model = build_model(replace(recipe, lora=None), examples, item_embeddings, seed=config.seed)
-    check_or_write_recipe(work, recipe_record, rank)  # only once everything could be built
+    check_or_write_recipe(work, recipe_record, rank, NEWER_SETTINGS)  # only once everything could be built
     non_embedding = model.non_embedding_parameters()  # of the LM itself, before any adapters
     if recipe.lora is not None:
         add_lora(model, recipe.lora, config.seed)
@@ -173,8 +210,13 @@ def train_teacher(
     pad_id = encoder.pad_id
     evaluator = RecLMEvaluator(examples, "validation", limit=recipe.max_val, batch_size=recipe.eval_batch_size,
                                generation=False, full_catalog=False, progress=False)
-    source = ExampleBatches(train_data, lambda batch: collate(batch, pad_id), config.batch_size, config.seed)
-    loss_fn = answer_and_history_loss(recipe.history_loss) if recipe.history_loss else answer_loss
+    batch_of: Callable[[list], dict] = lambda batch: collate(batch, pad_id)
+    if recipe.sasrec_kd:
+        batch_of = with_sasrec_logits(batch_of, sasrec, train_frame)
+    source = ExampleBatches(train_data, batch_of, config.batch_size, config.seed)
+    extra_terms = recipe.history_loss or recipe.sasrec_kd
+    loss_fn = (teacher_loss(recipe.history_loss, recipe.sasrec_kd, model.item_token_ids) if extra_terms
+               else answer_loss)
     result: TrainResult = train(model, loss_fn, source, evaluator, recipe.select_metric, config)
     record = {
         "kind": TRAIN_KIND, "version": TRAIN_VERSION, "recipe": RECIPE,

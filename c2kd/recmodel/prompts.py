@@ -229,6 +229,13 @@ def answer_index(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.where(mask, order, torch.zeros_like(order)), mask
 
 
+def first_answer_rows(labels: torch.Tensor) -> torch.Tensor:
+    """[B]: the row of each example's first answer position in the answer-only logits that
+    `RecLM.forward(labels=...)` returns (its rows are the answer positions, example by example)."""
+    counts = answer_mask(labels).sum(1)
+    return torch.cumsum(counts, 0) - counts
+
+
 def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """x[b, index[b, a]] for a per-token tensor x [B, T, ...] and positions index [B, A]: [B, A, ...]."""
     index = index.to(x.device)
