@@ -131,24 +131,15 @@ def test_llara_format_trains(tiny_examples_dir, sasrec_run, tmp_path):
     assert RecLM.load(tmp_path / "llara").spec.format == "llara"
 
 
-def test_history_loss_trains_and_logs_both_terms(tiny_examples_dir, sasrec_run, tmp_path):
-    recipe = TeacherRecipe(fmt="ids", model="micro", max_train=16, max_val=8, history_loss=0.5)
-    record = train_teacher(tiny_examples_dir, sasrec_run, tmp_path / "h", recipe, dict(FAST_CONFIG, epochs=1))
+@pytest.mark.parametrize("setting, term", [("history_loss", "history"), ("sasrec_kd", "sasrec_kd")])
+def test_an_added_term_trains_and_is_logged_beside_the_answer_loss(tiny_examples_dir, sasrec_run, tmp_path, setting, term):
+    recipe = TeacherRecipe(fmt="ids", model="micro", max_train=16, max_val=8, **{setting: 0.5})
+    record = train_teacher(tiny_examples_dir, sasrec_run, tmp_path / "t", recipe, dict(FAST_CONFIG, epochs=1))
     assert record["final_step"] == 2
-    log = [json.loads(line) for line in (tmp_path / "h" / "log.jsonl").read_text().splitlines()]
+    log = [json.loads(line) for line in (tmp_path / "t" / "log.jsonl").read_text().splitlines()]
     step = next(r for r in log if r["kind"] == "train")
-    assert step["loss"] == pytest.approx(step["answer"] + 0.5 * step["history"], rel=1e-5)
-    assert step["history"] > 0
-
-
-def test_sasrec_kd_trains_toward_sasrec_and_logs_its_term(tiny_examples_dir, sasrec_run, tmp_path):
-    recipe = TeacherRecipe(fmt="ids", model="micro", max_train=16, max_val=8, sasrec_kd=2.0)
-    record = train_teacher(tiny_examples_dir, sasrec_run, tmp_path / "k", recipe, dict(FAST_CONFIG, epochs=1))
-    assert record["final_step"] == 2
-    log = [json.loads(line) for line in (tmp_path / "k" / "log.jsonl").read_text().splitlines()]
-    step = next(r for r in log if r["kind"] == "train")
-    assert step["loss"] == pytest.approx(step["answer"] + 2.0 * step["sasrec_kd"], rel=1e-5)
-    assert step["sasrec_kd"] > 0
+    assert step["loss"] == pytest.approx(step["answer"] + 0.5 * step[term], rel=1e-5)
+    assert step[term] > 0
 
 
 def test_sasrec_kd_term_is_the_kl_from_sasrec_at_the_answer_item(tiny_examples_dir, sasrec_run):
