@@ -4,8 +4,9 @@ The same recipe trains a student alone (the SFT baseline): a smaller preset, or 
 model shrunk with `--shrink` (see `c2kd.recmodel.build`).
 
     data (prepared examples) + SASRec run (item embeddings) + model (preset | alias | HF folder | GGUF)
-      -> RecLM -> PromptEncoder(train split) -> c2kd.training.train(loss = CE on answer tokens,
-         best state by validation candidate-ranking NDCG@10) -> saved RecLM + train.json
+      -> RecLM -> PromptEncoder(train split) -> c2kd.training.train(loss = CE on answer tokens
+         [+ the next-history-item CE, --history-loss] [+ KL(SASRec || model) at the answer item,
+         --sasrec-kd], best state by validation candidate-ranking NDCG@10) -> saved RecLM + train.json
 
 While it runs, everything lives in `<out>.partial/` (the trainer's checkpoints, best state and
 log.jsonl, plus recipe.json); running the same command again resumes there. At the end the best
