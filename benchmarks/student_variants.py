@@ -9,7 +9,8 @@ Variants (VARIANTS): `items` / `candidates` = `--kd-over items|candidates` again
 `vocab`; `6-epochs` = twice the benchmark's 3 student epochs; `own-logit` / `own-logit-1` / `-2` /
 `-4` / `-8` = C2KD with `--w-own-logit` 0.5 / 1.0 / 2.0 / 4.0 / 8.0 (vanilla logit KD on the
 student's own head added); `logit-4` = logit KD and `cross-head-4` = C2KD with `--w-logit 4.0`
-(the weight of their KD term; 0.5 by default). Builds (or reuses) the benchmark's data, SASRec
+(the weight of their KD term; 0.5 by default); `logit-8` = logit KD with `--w-logit 8.0`, the
+own-head weight of `own-logit-8`. Builds (or reuses) the benchmark's data, SASRec
 seed 0, SmolLM2 teacher and cache with `real_llm.py`'s own commands and settings, then distils the
 variant's students per method and seed. The baseline students are the benchmark's: read from the same
 folder where they exist, otherwise from its recorded summary, which is only valid when the
@@ -48,6 +49,7 @@ VARIANTS = {
     # is the own-head term's gain only a heavier KD weight? plain logit KD, and C2KD's cross-head term, at 4.0
     "logit-4": (["--w-logit", "4.0"], ("logit KD",)),
     "cross-head-4": (["--w-logit", "4.0"], ("C2KD",)),
+    "logit-8": (["--w-logit", "8.0"], ("logit KD",)),  # plain logit KD at own-logit-8's own-head weight
 }
 
 
