@@ -111,12 +111,14 @@ class StepClock:
 
 
 class Bench:
-    def __init__(self, args: argparse.Namespace):
+    def __init__(self, args: argparse.Namespace, timings: Path | None = None):
+        """`timings`: where the steps' seconds go (default OUT/timings.json, the tier's own; a script
+        adding other steps to the folder passes its own file so as not to count them in the tier)."""
         self.args, self.out = args, args.out
         self.data, self.sasrec = self.out / "data", self.out / "sasrec-s0"
         self.commands: dict[str, list[str]] = {}
         self.log = self.out / "commands.log"
-        self.clock = StepClock(self.out / "timings.json")
+        self.clock = StepClock(timings or self.out / "timings.json")
         self.seeds = {name: fam["seeds"] for name, fam in FAMILIES.items()} | {"gemma": list(range(args.gemma_seeds))}
 
     def step(self, name: str, output: Path, args: list[str], threads: int = 2) -> None:
@@ -358,6 +360,17 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def kept_from_earlier(result: dict, path: Path) -> dict:
+    """The families (and their commands) an earlier run summarised in this folder and this run, naming fewer
+    --families, did not: one family added to a folder must not drop another's table."""
+    if not path.exists():
+        return result
+    earlier = json.loads(path.read_text())
+    others = {name: fam for name, fam in earlier["families"].items() if name not in result["families"]}
+    commands = {k: v for k, v in earlier["commands"].items() if k.split("/")[0] in others}
+    return result | {"families": others | result["families"], "commands": commands | result["commands"]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("runs/bench/real_llm"))
@@ -394,7 +407,7 @@ def main() -> None:
     for name in args.families:
         bench.timed(name)
     bench.head_step()
-    result = bench.summary()
+    result = kept_from_earlier(bench.summary(), args.out / "summary.json")
     result["seconds_this_run"] = round(time.perf_counter() - started)
     result["machine"] = cpu_description()  # of this run; a resumed tier may have trained earlier steps elsewhere
     (args.out / "summary.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -1,4 +1,4 @@
-"""A student recipe variant against the real-LLM benchmark's own students, paired by seed (SmolLM2 pair).
+"""A student recipe variant against the real-LLM benchmark's own students, paired by seed (one family's pair).
 
     python benchmarks/student_variants.py --variant items --out runs/bench/real_llm --seeds 0 1 2 --json runs/bench/kd_over_items.json
     python benchmarks/student_variants.py --variant 6-epochs --methods "SFT from cache" C2KD "logit KD" ...
@@ -11,7 +11,7 @@ Variants (VARIANTS): `items` / `candidates` = `--kd-over items|candidates` again
 student's own head added); `logit-4` = logit KD and `cross-head-4` = C2KD with `--w-logit 4.0`
 (the weight of their KD term; 0.5 by default); `logit-8` = logit KD with `--w-logit 8.0`, the
 own-head weight of `own-logit-8`. Builds (or reuses) the benchmark's data, SASRec
-seed 0, SmolLM2 teacher and cache with `real_llm.py`'s own commands and settings, then distils the
+seed 0, the family's teacher and cache with `real_llm.py`'s own commands and settings, then distils the
 variant's students per method and seed. The baseline students are the benchmark's: read from the same
 folder where they exist, otherwise from its recorded summary, which is only valid when the
 rebuilt teacher's test metrics equal the recorded ones (checked; the script stops otherwise).
@@ -31,10 +31,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from real_llm import METHODS, Bench, by_metric, flat_metrics, goals, markdown, student_test_metrics  # noqa: E402
+from real_llm import FAMILIES, METHODS, Bench, by_metric, flat_metrics, goals, markdown, student_test_metrics  # noqa: E402
 
 RECORDED = Path(__file__).parent / "results" / "real_llm_summary.json"  # the default --summary
-FAMILY = "smollm2"
 METRIC = ("candidates", "HR@1")
 # name: (flags added to the benchmark's distill command, the methods compared by default)
 VARIANTS = {
@@ -53,16 +52,17 @@ VARIANTS = {
 }
 
 
-def baseline_hr1(bench: Bench, recorded: dict, method: str, seed: int) -> float:
-    run = bench.run_folder(FAMILY, method, seed)
+def baseline_hr1(bench: Bench, recorded: dict, family: str, method: str, seed: int) -> float:
+    run = bench.run_folder(family, method, seed)
     if (run / "distill.json").exists():
         return student_test_metrics(run)["/".join(METRIC)]
-    return recorded["families"][FAMILY]["rows"][method]["/".join(METRIC)][seed]
+    return recorded["families"][family]["rows"][method]["/".join(METRIC)][seed]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("runs/bench/real_llm"), help="the real_llm.py folder")
+    parser.add_argument("--family", choices=list(FAMILIES), default="smollm2")
     parser.add_argument("--variant", choices=list(VARIANTS), required=True)
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=None, help="default: the variant's")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -73,13 +73,13 @@ def main() -> None:
     # runs recorded before --history-loss, --teacher-sasrec-kd, --bf16 and --gemma-seeds existed had none of them
     settings = argparse.Namespace(**{"history_loss": 0.0, "teacher_sasrec_kd": 0.0, "bf16": False, "gemma_seeds": 1,
                                      **recorded["settings"],
-                                     "out": args.out, "families": [FAMILY], "quick": False})
+                                     "out": args.out, "families": [args.family], "quick": False})
     args.out.mkdir(parents=True, exist_ok=True)
-    bench = Bench(settings)
+    bench = Bench(settings, timings=args.json.with_name(f"{args.json.stem}_timings.json"))
     bench.data_and_sasrec(seeds=(0,))
-    bench.teacher(FAMILY)
-    teacher = flat_metrics(json.loads((args.out / FAMILY / "teacher-test.json").read_text()))
-    expected = {k: v[0] for k, v in recorded["families"][FAMILY]["rows"]["teacher"].items()}
+    bench.teacher(args.family)
+    teacher = flat_metrics(json.loads((args.out / args.family / "teacher-test.json").read_text()))
+    expected = {k: v[0] for k, v in recorded["families"][args.family]["rows"]["teacher"].items()}
     if teacher != expected:
         raise SystemExit(f"the rebuilt teacher's test metrics {teacher} differ from the recorded {expected}: the "
                          "recorded vocab students do not belong to it (a teacher trained on another CPU differs in its "
@@ -87,19 +87,19 @@ def main() -> None:
     flags, default_methods = VARIANTS[args.variant]
     methods = args.methods or default_methods
     if "feature KD" in methods:
-        bench.uniform_cache(FAMILY)
-    bench.run_jobs([bench.distill_job(FAMILY, f"{m} {args.variant}", [*METHODS[m], *flags], seed, bench.cache_for(m))
+        bench.uniform_cache(args.family)
+    bench.run_jobs([bench.distill_job(args.family, f"{m} {args.variant}", [*METHODS[m], *flags], seed, bench.cache_for(m))
                     for seed in args.seeds for m in methods])
     # The benchmark's table and goals with the variant's students (the teacher is the recorded one).
-    rows = {"teacher": recorded["families"][FAMILY]["rows"]["teacher"]}
+    rows = {"teacher": recorded["families"][args.family]["rows"]["teacher"]}
     for method in methods:
-        runs = [student_test_metrics(bench.run_folder(FAMILY, f"{method} {args.variant}", s)) for s in args.seeds]
+        runs = [student_test_metrics(bench.run_folder(args.family, f"{method} {args.variant}", s)) for s in args.seeds]
         rows[method] = by_metric(runs)
     result: dict = {"variant": args.variant, "flags": flags, "teacher_test": teacher, "seeds": args.seeds,
                     "commands": bench.commands, "methods": {}}
     for method in methods:
         variant = rows[method]["/".join(METRIC)]
-        baseline = [baseline_hr1(bench, recorded, method, s) for s in args.seeds]
+        baseline = [baseline_hr1(bench, recorded, args.family, method, s) for s in args.seeds]
         diffs = [v - b for v, b in zip(variant, baseline)]
         result["methods"][method] = {
             args.variant: variant, "baseline": baseline, "variant - baseline": diffs,
@@ -107,7 +107,7 @@ def main() -> None:
         line = (f"{method}: {args.variant} {statistics.mean(variant):.3f} vs baseline {statistics.mean(baseline):.3f} "
                 f"test HR@1; paired difference {statistics.mean(diffs):+.3f} ({', '.join(f'{d:+.3f}' for d in diffs)})")
         if args.variant.startswith("own-logit"):  # the added term is plain logit KD's: is C2KD with it above logit KD alone?
-            vs_logit = [v - baseline_hr1(bench, recorded, "logit KD", s) for v, s in zip(variant, args.seeds)]
+            vs_logit = [v - baseline_hr1(bench, recorded, args.family, "logit KD", s) for v, s in zip(variant, args.seeds)]
             result["methods"][method]["variant - benchmark's logit KD"] = vs_logit
             line += f"; minus the benchmark's logit KD {', '.join(f'{d:+.3f}' for d in vs_logit)}"
         print(line)
@@ -115,7 +115,7 @@ def main() -> None:
         rows = {"teacher": rows["teacher"], "student alone": rows["SFT from cache"], **rows}
     result["rows"], result["goals"] = rows, goals(recorded["sasrec"], rows)
     print(f"The benchmark's table with the variant's students ({args.variant}: {' '.join(flags)}) in place of its own:")
-    print(markdown({"sasrec": recorded["sasrec"], "families": {FAMILY: {"rows": rows, "goals": result["goals"]}}}))
+    print(markdown({"sasrec": recorded["sasrec"], "families": {args.family: {"rows": rows, "goals": result["goals"]}}}))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2) + "\n")
 
