@@ -70,8 +70,10 @@ def main() -> None:
     parser.add_argument("--summary", type=Path, default=RECORDED, help="the benchmark run's summary.json to pair with")
     args = parser.parse_args()
     recorded = json.loads(args.summary.read_text())
-    # runs recorded before --history-loss, --teacher-sasrec-kd, --bf16 and --gemma-seeds existed had none of them
+    # runs recorded before --history-loss, --teacher-sasrec-kd, --bf16, --gemma-seeds and --kd-over existed had
+    # none of them (the last: the vocabulary for every family)
     settings = argparse.Namespace(**{"history_loss": 0.0, "teacher_sasrec_kd": 0.0, "bf16": False, "gemma_seeds": 1,
+                                     "kd_over": "vocab",
                                      **recorded["settings"],
                                      "out": args.out, "families": [args.family], "quick": False})
     args.out.mkdir(parents=True, exist_ok=True)
@@ -88,7 +90,8 @@ def main() -> None:
     methods = args.methods or default_methods
     if "feature KD" in methods:
         bench.uniform_cache(args.family)
-    bench.run_jobs([bench.distill_job(args.family, f"{m} {args.variant}", [*METHODS[m], *flags], seed, bench.cache_for(m))
+    bench.run_jobs([bench.distill_job(args.family, f"{m} {args.variant}", [*METHODS[m], *bench.kd_over(args.family, m),
+                                                                           *flags], seed, bench.cache_for(m))
                     for seed in args.seeds for m in methods])
     # The benchmark's table and goals with the variant's students (the teacher is the recorded one).
     rows = {"teacher": recorded["families"][args.family]["rows"]["teacher"]}
