@@ -3,10 +3,11 @@
     python benchmarks/real_llm.py --out runs/bench/real_llm [--families smollm2 gemma] [--no-bf16] [--gemma-seeds 3] [--quick]
 
 Per family, on ML-100k (<= 5 train windows per user), `ids` prompts, the hybrid item head:
-teacher fine-tune (full, pretrained vocabulary frozen) -> test evaluation -> cache of its train
-split -> students sharing its tokenizer (its first K layers, pretrained weights): trained alone
-(`train-teacher --shrink first:K`), and from the cache with SFT, logit KD, feature KD and C2KD,
-over seeds -> batch-1 latency and parameters. SASRec over three seeds on the same data.
+teacher fine-tune (full, pretrained vocabulary frozen) -> test evaluation -> one cache of its train
+split (C2KD's late layers and feature KD's uniform-map layers) -> students sharing its tokenizer
+(its first K layers, pretrained weights): trained alone (`train-teacher --shrink first:K`), and
+from the cache with SFT, logit KD, feature KD and C2KD (Gemma's logit losses over the item
+tokens), over seeds -> batch-1 latency and parameters. SASRec over three seeds on the same data.
 
 Every step is one `c2kd` command writing its own folder and is skipped when its output exists;
 the commands resume on their own, so a run cut short continues where it stopped. Steps run one
@@ -32,6 +33,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from c2kd.hardware import cpu_description
+from c2kd.recmodel.layers import late_layers
 from c2kd.student.c2kd_modules import uniform_layer_map
 
 FAMILIES = {
@@ -163,7 +165,7 @@ class Bench:
             "--out", str(root / "teacher-test.json")])
         self.step(f"{name}/cache", root / "cache" / "manifest.json", [
             "cache-teacher", "--teacher", str(root / "teacher"), "--data", str(self.data), "--out", str(root / "cache"),
-            "--splits", "train", "--no-progress"])
+            "--splits", "train", "--layers", ",".join(map(str, cached_layers(name))), "--no-progress"])
 
     def history_loss(self) -> list[str]:
         """The teacher's next-history-item loss weight, when the run asks for one."""
@@ -182,11 +184,11 @@ class Bench:
         return ["--lr", str(a.student_lr), "--epochs", str(1 if a.quick else a.student_epochs), "--batch-size", "32",
                 *self.bf16()]
 
-    def distill_job(self, name: str, label: str, flags: list[str], seed: int, cache: str = "cache") -> tuple:
+    def distill_job(self, name: str, label: str, flags: list[str], seed: int) -> tuple:
         """(step name, output folder, command) of one student distilled from the family's cache."""
         root, keep, run = self.out / name, f"first:{FAMILIES[name]['keep']}", self.run_folder(name, label, seed)
         return (f"{name}/{label}-s{seed}", run, [
-            "distill", "--cache", str(root / cache), "--data", str(self.data), "--out", str(run),
+            "distill", "--cache", str(root / "cache"), "--data", str(self.data), "--out", str(run),
             "--student", FAMILIES[name]["alias"], "--shrink", keep, "--item-head", "hybrid", "--seed", str(seed),
             "--no-progress", *self.student_args(), *flags, *self.quick()])  # flags last: they may override
 
@@ -202,38 +204,25 @@ class Bench:
             for done in [pool.submit(self.step, n, o, c, 1) for n, o, c in jobs]:
                 done.result()
 
-    def uniform_cache(self, name: str) -> None:
-        """Feature KD pairs student layer i with teacher layer round(i·L_t/L_s): early layers the
-        default (late-layer) cache does not hold, so they get a cache of their own."""
-        fam, root = FAMILIES[name], self.out / name
-        uniform = sorted(set(uniform_layer_map(fam["keep"], fam["layers"], range(1, fam["layers"] + 1)).values()))
-        self.step(f"{name}/cache-uniform", root / "cache-uniform" / "manifest.json", [
-            "cache-teacher", "--teacher", str(root / "teacher"), "--data", str(self.data),
-            "--out", str(root / "cache-uniform"), "--splits", "train", "--layers", ",".join(map(str, uniform)),
-            "--no-progress"])
-
-    def kd_over(self, name: str, method: str) -> list[str]:
-        """The family's support of the logit losses (or the run's --kd-over), for the methods that have them."""
+    def method_flags(self, name: str, method: str) -> list[str]:
+        """The distill flags of a method's students: the method, the family's support of the logit losses
+        (or the run's --kd-over) for those that have them, and C2KD's candidate layers in the shared cache."""
         support = self.args.kd_over or FAMILIES[name]["kd_over"]
-        return ["--kd-over", support] if method in WITH_LOGIT_LOSSES and support != "vocab" else []
-
-    @staticmethod
-    def cache_for(method: str) -> str:
-        """The cache folder (in the family's) a method's students read."""
-        return "cache-uniform" if method == "feature KD" else "cache"
+        flags = [*METHODS[method], *(["--kd-over", support] if method in WITH_LOGIT_LOSSES and support != "vocab" else [])]
+        if method == "C2KD":
+            flags += ["--router-layers", ",".join(map(str, late_layers(FAMILIES[name]["layers"])))]
+        return flags
 
     def family(self, name: str, num_seeds: int) -> None:
         a, fam = self.args, FAMILIES[name]
         self.teacher(name)
-        self.uniform_cache(name)
         jobs = []
         for seed in self.seeds[name][: 1 if a.quick else num_seeds]:
             jobs.append(self.alone_job(name, "student-alone", seed))
             if a.history_loss:  # the teacher's objective given to the student alone too
                 jobs.append(self.alone_job(name, "student-alone-history", seed, self.history_loss()))
             for method in TRAIN_ORDER:  # C2KD right after SFT: a run cut short still compares them
-                jobs.append(self.distill_job(name, method, METHODS[method] + self.kd_over(name, method), seed,
-                                             self.cache_for(method)))
+                jobs.append(self.distill_job(name, method, self.method_flags(name, method), seed))
         self.run_jobs(jobs)
 
     def timed(self, name: str) -> None:
@@ -314,6 +303,15 @@ class Bench:
                         self.step(f"{name}/{run.name}-test", run / "metrics-test.json", [
                             "evaluate", "--model", str(run), "--data", str(self.data), "--split", "test",
                             "--out", str(run / "metrics-test.json")])
+
+
+def cached_layers(name: str) -> list[int]:
+    """The teacher layers a family's cache holds: the late layers C2KD's router chooses among (DESIGN §3)
+    and the early ones feature KD's uniform map pairs with student layer i, round(i·L_t/L_s); one teacher
+    pass serves every student (two caches, one per layer set, took 261 + 285 s for Gemma)."""
+    fam = FAMILIES[name]
+    uniform = uniform_layer_map(fam["keep"], fam["layers"], range(1, fam["layers"] + 1)).values()
+    return sorted({*late_layers(fam["layers"]), *uniform})
 
 
 def goals(sasrec: dict, rows: dict) -> dict:

@@ -112,7 +112,7 @@ class Bench:
                                    shrink=args.shrink, kd_over="items" if name == "c2kd-items-cache" else "vocab")
             student = build_student(recipe, self.cache, seed=0)
             torch.manual_seed(0)
-            filters = layer_filters(recipe, spec, student)
+            filters = layer_filters(recipe, spec.layers, spec, student)
             model = DistillModel(student, recipe, spec, head, filters if recipe.method == "c2kd" else None)
             model.to(self.device).train()
             self.models[name] = model

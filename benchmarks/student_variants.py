@@ -88,11 +88,8 @@ def main() -> None:
                          "last digits); run real_llm.py in this folder first")
     flags, default_methods = VARIANTS[args.variant]
     methods = args.methods or default_methods
-    if "feature KD" in methods:
-        bench.uniform_cache(args.family)
-    bench.run_jobs([bench.distill_job(args.family, f"{m} {args.variant}", [*METHODS[m], *bench.kd_over(args.family, m),
-                                                                           *flags], seed, bench.cache_for(m))
-                    for seed in args.seeds for m in methods])
+    bench.run_jobs([bench.distill_job(args.family, f"{m} {args.variant}", [*bench.method_flags(args.family, m), *flags],
+                                      seed) for seed in args.seeds for m in methods])
     # The benchmark's table and goals with the variant's students (the teacher is the recorded one).
     rows = {"teacher": recorded["families"][args.family]["rows"]["teacher"]}
     for method in methods:

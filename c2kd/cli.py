@@ -512,6 +512,7 @@ def distill_cmd(
     data: Path = typer.Option(..., "--data", help="Prepared examples folder the cache was built from (validation and test)."),
     method: str = typer.Option("c2kd", "--method", help="c2kd | sft | logit-kd | feature-kd."),
     router: str = typer.Option("top1", "--router", help="C2KD router: top1 (paper), soft, or fixed:L (no router, teacher layer L)."),
+    router_layers: Optional[str] = typer.Option(None, "--router-layers", help="Comma-separated cached teacher layers the C2KD router chooses among [default: every cached layer]; for a cache that also holds early layers for feature KD."),
     cross_head: bool = typer.Option(True, "--cross-head/--no-cross-head", help="Score student features with the teacher's head (off: the student's own head)."),
     orth: bool = typer.Option(True, "--orth/--no-orth", help="Orthogonality loss on the cross-head projection."),
     w_feat: float = typer.Option(0.5, "--w-feat", help="Weight of the feature loss."),
@@ -539,7 +540,8 @@ def distill_cmd(
 
     with reporting_errors():
         recipe = DistillRecipe(
-            method=method, student=student, shrink=shrink, item_head=item_head, router=router, cross_head=cross_head,
+            method=method, student=student, shrink=shrink, item_head=item_head, router=router,
+            router_layers=_int_list(router_layers, "--router-layers"), cross_head=cross_head,
             orth=orth, w_feat=w_feat, w_logit=w_logit, w_orth=w_orth, tau=tau, w_own_logit=w_own_logit, kd_over=kd_over,
             stage1_epochs=stage1_epochs, stage1_lr=stage1_lr, max_train=max_train, max_val=max_val, select_metric=select_metric,
         )

@@ -96,7 +96,7 @@ def _live_batch(teacher, examples, example_ids, layers, positions):
 def _model(cache: TeacherCache, recipe: DistillRecipe, seed=0) -> DistillModel:
     torch.manual_seed(seed)
     student = build_student(recipe, cache, seed=seed)
-    filters = layer_filters(recipe, cache.spec, student)
+    filters = layer_filters(recipe, cache.spec.layers, cache.spec, student)
     layer_map = {1: 3} if recipe.method == "feature-kd" else None
     return DistillModel(student, recipe, cache.spec, cache.head_weight(),
                         filters if recipe.method == "c2kd" else None, layer_map).eval()
@@ -333,6 +333,28 @@ def test_distill_with_kd_over_items_end_to_end(caches, examples, tmp_path):
     vocab = TeacherCache.open(cache).spec.vocab_size
     # stage 1's head starts near-uniform over its classes: the catalog's items, not the vocabulary
     assert all(first[f"ce_layer_{l}"] < (np.log(examples.num_items) + np.log(vocab)) / 2 for l in (2, 3, 4, 5)), first
+
+
+def test_router_layers_choose_the_candidates_in_a_cache_holding_more_layers(caches, teacher_dir, examples, tmp_path):
+    late = caches("all", "bfloat16")  # layers 2-5
+    more = write_cache(teacher_dir, examples, tmp_path / "more", positions="all", dtype="bfloat16", layers=(1, 2, 3, 4, 5))
+    config = {"max_steps": 2, "batch_size": 16, "progress": False}
+    recipe = DistillRecipe(student="micro", max_train=32, eval_batch_size=16)
+    records = {name: distill(cache, examples.root, tmp_path / name, dataclasses.replace(recipe, router_layers=layers), config)
+               for name, cache, layers in (("late", late, None), ("chosen", more, (2, 3, 4, 5)), ("all", more, None))}
+    stage1 = {name: json.loads((tmp_path / name / "stage1_log.jsonl").read_text().splitlines()[0]) for name in records}
+    # the same candidates read from either cache: the same filters, routes and student
+    assert records["chosen"]["metrics"] == records["late"]["metrics"]
+    assert {k: v for k, v in stage1["chosen"].items() if k.startswith("ce_layer")} == \
+        {k: v for k, v in stage1["late"].items() if k.startswith("ce_layer")}
+    assert "ce_layer_1" not in stage1["chosen"] and "ce_layer_1" in stage1["all"]  # default: every cached layer
+    with pytest.raises(C2KDError, match=r"layers \[9\] are not cached"):
+        distill(more, examples.root, tmp_path / "x", dataclasses.replace(recipe, router_layers=(5, 9)), config)
+    with pytest.raises(C2KDError, match=r"layer 1 is not one of --router-layers \[2, 3\]"):
+        distill(more, examples.root, tmp_path / "y", dataclasses.replace(recipe, router="fixed:1", router_layers=(2, 3)), config)
+    for bad in ({"router_layers": (2, 2)}, {"router_layers": ()}, {"method": "logit-kd", "router_layers": (2,)}):
+        with pytest.raises(C2KDError, match="--router-layers"):
+            dataclasses.replace(recipe, **bad)
 
 
 def test_bf16_autocast_reaches_both_stages(caches, examples, tmp_path):

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from c2kd.cache_schema import TeacherCache
+from c2kd.cache_schema import CacheSpec, TeacherCache
 from c2kd.distributed import dist_env
 from c2kd.errors import C2KDError
 from c2kd.evaluate import RecLMEvaluator
@@ -47,7 +47,7 @@ DEFAULT_SELECT_METRIC = "NDCG@10"  # over the 20 stored validation candidates
 SELECT_METRICS = ("HR@1", "HR@5", "HR@10", "NDCG@5", "NDCG@10", "MRR")
 # Settings added after distill runs were first recorded, with the value those runs used: a finished
 # or interrupted run recorded without one is still the same run.
-SETTINGS_ADDED = {"kd_over": "vocab", "w_own_logit": 0.0}
+SETTINGS_ADDED = {"kd_over": "vocab", "w_own_logit": 0.0, "router_layers": None}
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,7 @@ class DistillRecipe(LossWeights):
     student: str = "tiny-student"  # a preset, a pretrained alias or folder (with shrink), or a saved RecLM
     shrink: str | None = None  # first:K | narrow:WIDTHxLAYERS
     item_head: str = "auto"  # token | hybrid | auto (hybrid for ids), for a student built here
+    router_layers: tuple[int, ...] | None = None  # c2kd: the cached teacher layers the router chooses among (None: all)
     stage1_epochs: int = 1
     stage1_lr: float = 1e-3
     max_train: int | None = None  # a fixed random subset of the cached train split (CPU runs)
@@ -74,6 +75,12 @@ class DistillRecipe(LossWeights):
         for name in ("w_feat", "w_logit", "w_orth", "w_own_logit", "stage1_epochs"):
             if getattr(self, name) < 0:
                 raise C2KDError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.router_layers is not None:
+            if self.method != "c2kd":
+                raise C2KDError(f"--router-layers chooses C2KD's candidate teacher layers; --method {self.method} has no router")
+            if not self.router_layers or len(set(self.router_layers)) != len(self.router_layers):
+                raise C2KDError(f"--router-layers {','.join(map(str, self.router_layers))}: expected distinct cached "
+                                "teacher layers, e.g. 14,15,16,17")
         if self.w_own_logit > 0 and (self.method != "c2kd" or not self.cross_head):
             raise C2KDError("--w-own-logit adds vanilla logit KD on the student's own head to C2KD's cross-head loss: "
                             "it needs --method c2kd with the cross-head (for the own head alone: --method logit-kd)")
@@ -105,20 +112,31 @@ def build_student(recipe: DistillRecipe, cache: TeacherCache, seed: int) -> RecL
     return student
 
 
+def router_candidates(recipe: DistillRecipe, spec: CacheSpec) -> tuple[int, ...]:
+    """C2KD's candidate teacher layers: --router-layers, each of them cached, or every cached layer (a cache
+    may also hold the early layers a feature-KD student of the same teacher reads)."""
+    if recipe.router_layers is None:
+        return tuple(spec.layers)
+    missing = [l for l in recipe.router_layers if l not in spec.layers]
+    if missing:
+        raise C2KDError(f"--router-layers: layers {missing} are not cached (cached: {list(spec.layers)})")
+    return tuple(recipe.router_layers)
+
+
 def _stage1(recipe: DistillRecipe, cache: TeacherCache, train_ids: np.ndarray, config: TrainConfig,
             student: RecLM, work: Path) -> tuple[LayerFilters, TrainResult | None]:
     """C2KD stage 1: the layer filters g_l on the cached teacher states (the teacher frozen by construction)."""
-    spec = cache.spec
+    spec, layers = cache.spec, router_candidates(recipe, cache.spec)
     classes = kd_classes(recipe, student)
     torch.manual_seed(config.seed)
-    filters = layer_filters(recipe, spec, student)
+    filters = layer_filters(recipe, layers, spec, student)
     if recipe.stage1_epochs == 0:
         return filters, None
     stage1 = TrainConfig(out_dir=work / "stage1", lr=recipe.stage1_lr, weight_decay=config.weight_decay,
                          epochs=recipe.stage1_epochs, batch_size=config.batch_size, seed=config.seed,
                          device=config.device, checkpoint_every=config.checkpoint_every, log_every=config.log_every,
                          progress=config.progress, bf16=config.bf16)
-    source = CacheBatches(cache, train_ids, stage1.batch_size, stage1.seed, layers=spec.layers, final_hidden=False,
+    source = CacheBatches(cache, train_ids, stage1.batch_size, stage1.seed, layers=layers, final_hidden=False,
                           logits=False)
     return filters, train(filters, lambda net, batch: stage1_loss(net, batch, classes), source, None, None, stage1)
 
@@ -157,8 +175,11 @@ def distill(
         return {**finished, "already_complete": True}
     check_kd_support(recipe.kd_over, spec.prompt_format)
     kind, fixed_layer = parse_router(recipe.router)
+    candidates = router_candidates(recipe, spec) if recipe.method == "c2kd" else ()
     if recipe.method == "c2kd" and kind == "fixed" and fixed_layer not in spec.layers:
         raise C2KDError(f"--router {recipe.router}: layer {fixed_layer} is not cached (cached: {list(spec.layers)})")
+    if recipe.method == "c2kd" and kind == "fixed" and fixed_layer not in candidates:
+        raise C2KDError(f"--router {recipe.router}: layer {fixed_layer} is not one of --router-layers {list(candidates)}")
     student = build_student(recipe, teacher_cache, seed=config.seed)
     teacher_cache.teacher_config()  # with the tokenizer, embeddings and head: every asset checksummed before training
     layer_map = None
@@ -178,7 +199,7 @@ def distill(
     # Stage 2: each method reads only what it uses (sft: the token ids alone).
     model = DistillModel(student, recipe, spec, head_weight, filters, layer_map)
     kd = recipe.method in ("c2kd", "logit-kd")
-    layers = list(spec.layers) if recipe.method == "c2kd" else sorted(set((layer_map or {}).values()))
+    layers = list(candidates) if recipe.method == "c2kd" else sorted(set((layer_map or {}).values()))
     source = CacheBatches(teacher_cache, train_ids, config.batch_size, config.seed, layers=layers, final_hidden=kd,
                           logits=kd)
     evaluator = RecLMEvaluator(examples, "validation", limit=recipe.max_val, batch_size=recipe.eval_batch_size,

@@ -35,6 +35,7 @@ tokens (the other logits -inf); full caches are read as they are. A batch may al
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -85,11 +86,11 @@ def kd_classes(weights: LossWeights, student: RecLM) -> Tensor | None:
     return student.item_token_ids[1:].clone() if weights.kd_over in ITEM_SUPPORTS else None
 
 
-def layer_filters(weights: LossWeights, spec: CacheSpec, student: RecLM) -> LayerFilters:
-    """C2KD's stage-1 filters for this student and cache: the probe head has one output per class
-    (`kd_classes`: the vocabulary, or the items)."""
+def layer_filters(weights: LossWeights, layers: Sequence[int], spec: CacheSpec, student: RecLM) -> LayerFilters:
+    """C2KD's stage-1 filters over the candidate teacher `layers` for this student and cache: the probe head
+    has one output per class (`kd_classes`: the vocabulary, or the items)."""
     classes = kd_classes(weights, student)
-    return LayerFilters(spec.layers, spec.hidden_size, student.hidden_size,
+    return LayerFilters(layers, spec.hidden_size, student.hidden_size,
                         spec.vocab_size if classes is None else len(classes))
 
 
