@@ -29,6 +29,7 @@ from c2kd.recmodel.tokenizer import build_word_tokenizer
 from c2kd.recmodel.prompts import answer_index
 from c2kd.student.c2kd_modules import LayerFilters
 from c2kd.student.cache_batches import CacheBatches
+import c2kd.student.distill as distill_module
 from c2kd.student.distill import DistillRecipe, build_student, distill
 from c2kd.student.losses import logit_kd_loss, soft_cross_entropy
 from c2kd.student.objective import DistillModel, layer_filters, stage1_loss
@@ -355,6 +356,27 @@ def test_router_layers_choose_the_candidates_in_a_cache_holding_more_layers(cach
     for bad in ({"router_layers": (2, 2)}, {"router_layers": ()}, {"method": "logit-kd", "router_layers": (2,)}):
         with pytest.raises(C2KDError, match="--router-layers"):
             dataclasses.replace(recipe, **bad)
+
+
+def test_the_methods_own_pieces_start_from_the_seed_whatever_building_the_student_drew(caches, examples, tmp_path,
+                                                                                    monkeypatch):
+    """A pretrained student's loading draws from the global generator a number of times that varies between
+    processes; feature KD's adapters and C2KD's cross-head must not inherit that."""
+    build, draws = distill_module.build_student, iter([1, 7, 1, 7])
+
+    def drawing(*args, **kwargs):
+        student = build(*args, **kwargs)
+        torch.rand(next(draws))
+        return student
+
+    monkeypatch.setattr(distill_module, "build_student", drawing)
+    for method in ("feature-kd", "c2kd"):
+        recipe = DistillRecipe(student="micro", method=method, max_train=32, eval_batch_size=16)
+        for name in ("a", "b"):
+            distill(caches("all", "bfloat16"), examples.root, tmp_path / method / name, recipe,
+                    {"max_steps": 2, "batch_size": 16, "progress": False})
+        a, b = (RecLM.load(tmp_path / method / name).state_dict() for name in ("a", "b"))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), method
 
 
 def test_bf16_autocast_reaches_both_stages(caches, examples, tmp_path):

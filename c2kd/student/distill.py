@@ -196,7 +196,11 @@ def distill(
     if recipe.method == "c2kd":
         filters, stage1_result = _stage1(recipe, teacher_cache, train_ids, config, student, work)
 
-    # Stage 2: each method reads only what it uses (sft: the token ids alone).
+    # Stage 2: each method reads only what it uses (sft: the token ids alone). Feature KD's adapters start
+    # from the run's seed: loading a pretrained student leaves the global generator in a state that differs
+    # from one process to the next (C2KD's cross-head follows stage 1, which reseeds).
+    if filters is None:
+        torch.manual_seed(config.seed)
     model = DistillModel(student, recipe, spec, head_weight, filters, layer_map)
     kd = recipe.method in ("c2kd", "logit-kd")
     layers = list(candidates) if recipe.method == "c2kd" else sorted(set((layer_map or {}).values()))
