@@ -14,7 +14,7 @@ the commands resume on their own, so a run cut short continues where it stopped.
 at a time, the students two at a time with one thread each; the timed steps (latency, the head
 step ratio) run last. Writes summary.json (every number, the commands, the goals) and summary.md.
 timings.json keeps each finished step's seconds and the tier's wall time summed over resumed
-runs (a run cut short counts up to its last finished step).
+runs (a run killed mid-step loses at most StepClock.HEARTBEAT_S of it).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
+from c2kd.atomic import write_json
 from c2kd.hardware import cpu_description
 from c2kd.recmodel.layers import late_layers
 from c2kd.student.c2kd_modules import uniform_layer_map
@@ -99,21 +100,47 @@ def mean_std(values: list[float]) -> str:
 
 class StepClock:
     """Seconds per finished step and the wall time of the whole tier, summed over resumed runs, in
-    OUT/timings.json; a step skipped because its output exists costs nothing and is not re-timed."""
+    OUT/timings.json; a step skipped because its output exists costs nothing and is not re-timed.
+
+    A run killed mid-step (a session's end) loses at most HEARTBEAT_S: every HEARTBEAT_S the file
+    takes the wall time so far and, under "running", the seconds each unfinished step has run; the
+    next run carries those into the wall time and into the step's seconds when it finishes."""
+
+    HEARTBEAT_S = 30.0
 
     def __init__(self, path: Path):
         self.path, self.lock, self.started = path, threading.Lock(), time.perf_counter()
         self.record = json.loads(path.read_text()) if path.exists() else {"wall_s": 0.0, "steps_s": {}}
         self.before = self.record["wall_s"]
+        self.carried: dict[str, float] = self.record.pop("running", {})  # steps a killed run had begun
+        self.active: dict[str, float] = {}
+        threading.Thread(target=self._beat, daemon=True).start()
 
     @contextmanager
     def timing(self, name: str) -> Iterator[None]:
-        start = time.perf_counter()
+        with self.lock:
+            self.active[name] = time.perf_counter()
         yield
         with self.lock:
-            self.record["steps_s"][name] = round(time.perf_counter() - start, 1)
-            self.record["wall_s"] = round(self.before + time.perf_counter() - self.started, 1)
-            self.path.write_text(json.dumps(self.record, indent=2) + "\n")
+            start = self.active.pop(name)
+            self.record["steps_s"][name] = round(self.carried.pop(name, 0.0) + time.perf_counter() - start, 1)
+            self._write()
+
+    def _write(self) -> None:
+        now = time.perf_counter()
+        self.record["wall_s"] = round(self.before + now - self.started, 1)
+        running = self.carried | {n: self.carried.get(n, 0.0) + now - s for n, s in self.active.items()}
+        self.record.pop("running", None)
+        if running:
+            self.record["running"] = {n: round(v, 1) for n, v in running.items()}
+        write_json(self.path, self.record)  # whole or not at all: a run may be killed mid-write
+
+    def _beat(self) -> None:
+        while True:
+            time.sleep(self.HEARTBEAT_S)
+            with self.lock:
+                if self.active:
+                    self._write()
 
 
 class Bench:
