@@ -123,10 +123,11 @@ def router_candidates(recipe: DistillRecipe, spec: CacheSpec) -> tuple[int, ...]
     return tuple(recipe.router_layers)
 
 
-def _stage1(recipe: DistillRecipe, cache: TeacherCache, train_ids: np.ndarray, config: TrainConfig,
-            student: RecLM, work: Path) -> tuple[LayerFilters, TrainResult | None]:
-    """C2KD stage 1: the layer filters g_l on the cached teacher states (the teacher frozen by construction)."""
-    spec, layers = cache.spec, router_candidates(recipe, cache.spec)
+def _stage1(recipe: DistillRecipe, cache: TeacherCache, layers: tuple[int, ...], train_ids: np.ndarray,
+            config: TrainConfig, student: RecLM, work: Path) -> tuple[LayerFilters, TrainResult | None]:
+    """C2KD stage 1: the layer filters g_l of the candidate `layers` on the cached teacher states (the teacher
+    frozen by construction)."""
+    spec = cache.spec
     classes = kd_classes(recipe, student)
     torch.manual_seed(config.seed)
     filters = layer_filters(recipe, layers, spec, student)
@@ -194,7 +195,7 @@ def distill(
 
     filters, stage1_result = (None, None)
     if recipe.method == "c2kd":
-        filters, stage1_result = _stage1(recipe, teacher_cache, train_ids, config, student, work)
+        filters, stage1_result = _stage1(recipe, teacher_cache, candidates, train_ids, config, student, work)
 
     # Stage 2: each method reads only what it uses (sft: the token ids alone). Feature KD's adapters start
     # from the run's seed: loading a pretrained student leaves the global generator in a state that differs
