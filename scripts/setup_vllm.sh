@@ -5,6 +5,8 @@
 # The venv is kept outside the checkout (default ~/.cache/c2kd/vllm-venv; C2KD_VLLM_VENV to move it),
 # so later runs, and CI on the same machine, reuse it. Prints the venv's python.
 set -euo pipefail
+# vLLM and its wheels come from PyPI: no second copy in pip's cache on a small disk.
+export PIP_NO_CACHE_DIR=1
 cd "$(dirname "$0")/.."
 VENV=${C2KD_VLLM_VENV:-${C2KD_HOME:-$HOME/.cache/c2kd}/vllm-venv}
 PY=${PYTHON:-python3}
