@@ -40,6 +40,7 @@ def test_demo_runs_every_stage_into_one_folder(tmp_path, bf16):
     recipes = {m: json.loads((run / f"student-{m}" / "recipe.json").read_text()) for m in ("sft", "c2kd")}
     assert recipes["c2kd"]["w_own_logit"] == settings.w_own_logit > 0
     assert recipes["sft"]["w_own_logit"] == 0.0
+    assert recipes["c2kd"]["kd_over"] == settings.kd_over == "items"
     # the teacher's SASRec distillation weight reaches the teacher
     assert json.loads((run / "teacher" / "recipe.json").read_text())["sasrec_kd"] == settings.teacher_sasrec_kd
     assert set(saved["timings_s"]) >= {"teacher", "cache", "student-sft", "student-c2kd", "evaluation"}
