@@ -131,7 +131,7 @@ def converted_folder(alias: str) -> Path:
     if alias not in WHEEL_MODELS:
         raise C2KDError(f"unknown model alias {alias!r}; expected one of {', '.join(WHEEL_MODELS)}")
     folder = model_store() / alias
-    if (folder / _MARKER).is_file():
+    if is_converted(alias):
         return folder
     gguf = wheel_gguf(alias)
     from c2kd.recmodel.hf import load_gguf  # transformers is imported only when converting
@@ -142,6 +142,11 @@ def converted_folder(alias: str) -> Path:
         tokenizer.save_pretrained(tmp)
         (tmp / _MARKER).write_text(json.dumps({"alias": alias, "gguf": gguf.name, "sha256": _sha256(gguf)}, indent=1))
     return folder
+
+
+def is_converted(alias: str) -> bool:
+    """The alias's converted folder is complete in the model store (loading it needs no conversion)."""
+    return (model_store() / alias / _MARKER).is_file()
 
 
 def resolve_pretrained(name_or_path: str | os.PathLike) -> Path:
@@ -157,8 +162,12 @@ def is_alias(name: str) -> bool:
 if __name__ == "__main__":  # python -m c2kd.recmodel.pretrained smollm2-135m gemma3-270m: convert ahead of use
     import sys
 
-    from c2kd.recmodel.hf import quiet_transformers
+    names = sys.argv[1:] or list(WHEEL_MODELS)
+    if unknown := [n for n in names if not is_alias(n)]:
+        sys.exit(f"error: unknown model alias {', '.join(unknown)}; expected one of {', '.join(WHEEL_MODELS)}")
+    if not all(map(is_converted, names)):  # torch and transformers take seconds to import: only to convert
+        from c2kd.recmodel.hf import quiet_transformers
 
-    quiet_transformers()
-    for name in sys.argv[1:] or list(WHEEL_MODELS):
+        quiet_transformers()
+    for name in names:
         print(f"{name}: {converted_folder(name)}")
