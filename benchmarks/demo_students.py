@@ -9,7 +9,7 @@
 Each NAME=JSON is one student: `distill` with the run's settings (its results.json: seed, bf16,
 the student, its cached examples, epochs, lr, batch, the validation examples that select the best
 state) and the JSON's overrides: DistillRecipe fields, and `epochs`, `lr`, `cache` (a cache folder
-inside the run), `max_train`, `bf16`. The method and its weights come from the JSON alone: the
+inside the run), `max_train`, `bf16`, `seed`. The method and its weights come from the JSON alone: the
 run's `w_own_logit` is not applied (`{"method": "c2kd"}` is the paper's C2KD). A line per
 student (validation and test HR@1, test NDCG@10, wall seconds) goes to OUT/results.jsonl; a
 finished student is reported again, not retrained.
@@ -38,7 +38,8 @@ def main() -> None:
     for spec in args.students:
         name, _, text = spec.partition("=")
         overrides = json.loads(text or "{}")
-        train = {"batch_size": ran["batch_size"], "seed": ran["seed"], "checkpoint_every": 10_000, "warmup_ratio": 0.05,
+        train = {"batch_size": ran["batch_size"], "seed": overrides.pop("seed", ran["seed"]),
+                 "checkpoint_every": 10_000, "warmup_ratio": 0.05,
                  "epochs": overrides.pop("epochs", ran["student_epochs"]), "lr": overrides.pop("lr", ran["student_lr"]),
                  "bf16": overrides.pop("bf16", ran.get("bf16") or False)}  # runs before bf16: float32
         cache = args.run / overrides.pop("cache", "cache")
