@@ -123,13 +123,13 @@ def run_demo(out: Path | None = None, settings: DemoSettings = DemoSettings()) -
     students = {"student alone (SFT)": "sft", "C2KD student": "c2kd"}
     student_tests = {}  # distill ends by evaluating its student on the test split: not done twice
     for i, (name, method) in enumerate(students.items()):
-        own_head, kd_over = (s.w_own_logit, s.kd_over) if method == "c2kd" else (0.0, "vocab")  # SFT has no logit loss
-        weight = f" (--w-own-logit {own_head:g}, --kd-over {kd_over})" if method == "c2kd" else ""
-        t = _step(f"{5 + i}/7 stage two: {name}{weight}, from the cache only")
+        # the logit-loss settings go to the C2KD student only (SFT has no logit loss; it keeps distill's defaults)
+        logit_terms = {"w_own_logit": s.w_own_logit, "kd_over": s.kd_over} if method == "c2kd" else {}
+        flags = f" (--w-own-logit {s.w_own_logit:g}, --kd-over {s.kd_over})" if logit_terms else ""
+        t = _step(f"{5 + i}/7 stage two: {name}{flags}, from the cache only")
         record = distill(run / "cache", examples, run / f"student-{method}",
                          DistillRecipe(method=method, student=s.student, shrink=s.student_shrink,
-                                       max_train=s.student_max_train, max_val=s.max_val, w_own_logit=own_head,
-                                       kd_over=kd_over),
+                                       max_train=s.student_max_train, max_val=s.max_val, **logit_terms),
                          {**train_common, "epochs": s.student_epochs, "lr": s.student_lr})
         student_tests[name] = record["metrics"]["test"]["candidates"]
         timings[f"student-{method}"] = time.perf_counter() - t
