@@ -12,6 +12,7 @@
   world size. `grad_accum` micro-batches make one optimizer step.
 - AdamW (weight decay on matrices only) and linear warmup then cosine decay to 0.
 - bf16 autocast when `bf16=True` and the device supports it (CPU autocast supports bf16).
+- On CPU, Hugging Face models inside `model` train with the plain attention (`hf.plain_attention_for_training`).
 - Checkpoints every `checkpoint_every` optimizer steps in `out_dir/checkpoints/step-XXXXXX/`
   (trainable weights, optimizer, scheduler, data position, every rank's RNG states), written to a
   temp folder and renamed. `train()` resumes from the newest one by itself; a resumed run ends with
@@ -34,6 +35,7 @@ import math
 import random
 import re
 import shutil
+import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -285,6 +287,10 @@ def train(
         raise C2KDError("the model has no trainable parameters")
     frozen_sum = _frozen_checksum(model, [p for _, p in model.named_parameters() if not p.requires_grad])
     model.to(device)
+    if device.type == "cpu" and "transformers" in sys.modules:  # no Hugging Face model without it imported
+        from c2kd.recmodel.hf import plain_attention_for_training
+
+        plain_attention_for_training(model)
 
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": config.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]

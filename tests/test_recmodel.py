@@ -388,3 +388,48 @@ def test_folded_model_takes_plain_token_ids(tokenizer, item_embeddings, tmp_path
         torch.testing.assert_close(theirs.hidden_states[layer][mask], ours.hidden_states[layer][mask], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(theirs.logits[mask], ours.logits[mask], atol=1e-4, rtol=1e-4)
     assert not folded.config.tie_word_embeddings
+
+
+def test_frozen_head_under_autocast_is_cast_once_and_equals_the_linear(tokenizer, item_embeddings):
+    model = RecLM.from_preset("micro", tokenizer, item_embeddings, "ids", seed=3, item_head="hybrid")
+    model.freeze_vocabulary()
+    head = model.base_lm().get_output_embeddings()
+    h = torch.randn(5, model.hidden_size, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = head(h)
+        got = model.added.frozen_logits(head, h)
+        cast = model.added._cast_head[1]
+        again = model.added.frozen_logits(head, h)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, expected) and torch.equal(again, expected)
+    assert model.added._cast_head[1] is cast  # reused, not cast again
+    (g_expected,) = torch.autograd.grad(expected.float().sum(), h)
+    (g_got,) = torch.autograd.grad(got.float().sum(), h)
+    assert torch.equal(g_got, g_expected)
+    with torch.no_grad():  # an in-place change of the frozen table (what write_into does) is seen
+        head.weight.mul_(2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(model.added.frozen_logits(head, h), head(h))
+    assert model.added._cast_head[1] is not cast
+    assert torch.equal(model.added.frozen_logits(head, h), head(h))  # no autocast: the plain linear
+
+
+def test_training_on_cpu_uses_the_plain_attention_and_does_not_save_it(tokenizer, item_embeddings, tmp_path):
+    import copy
+
+    from c2kd.recmodel.hf import plain_attention_for_training
+    from c2kd.training import ExampleBatches, TrainConfig, train
+
+    model = RecLM.from_preset("micro", tokenizer, item_embeddings, "ids", seed=4)
+    encoder = PromptEncoder(tokenizer, "ids", TITLES)
+    examples, batch = _batch(encoder)
+    plain = copy.deepcopy(model)
+    plain_attention_for_training(plain)
+    assert model.base_lm().config._attn_implementation == "sdpa"
+    assert plain.base_lm().config._attn_implementation == "eager"
+    with torch.no_grad():  # the same attention computed two ways
+        torch.testing.assert_close(plain(**batch).loss, model(**batch).loss, atol=1e-5, rtol=1e-5)
+    train(model, lambda m, b: {"loss": m(**b).loss}, ExampleBatches(examples, lambda e: collate(e, encoder.pad_id), 2, 0),
+          None, None, TrainConfig(out_dir=str(tmp_path / "run"), epochs=1, batch_size=2, progress=False))
+    assert model.base_lm().config._attn_implementation == "eager"
+    saved = RecLM.load(model.save(tmp_path / "saved"))
+    assert saved.base_lm().config._attn_implementation == "sdpa"

@@ -279,9 +279,11 @@ class RecLM(nn.Module):
 
     def head_logits(self, h: Tensor) -> Tensor:
         """Logits over the whole vocabulary of final (post-norm) states h [..., d]."""
-        logits = self.base_lm().get_output_embeddings()(h)
+        head = self.base_lm().get_output_embeddings()
         if self.added is not None:
-            logits = self.added.patch_logits(logits, h)
+            logits = self.added.patch_logits(self.added.frozen_logits(head, h), h)
+        else:
+            logits = head(h)
         if self.spec.item_head == "hybrid":
             extra = h @ self.projected_items()[1:].to(h.dtype).T
             logits = logits.index_add(-1, self._item_token_ids[1:], extra.to(logits.dtype))
