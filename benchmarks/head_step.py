@@ -77,7 +77,7 @@ def measure(alias: str, shrink: str, data: Path, sasrec: Path, steps: int, block
 
 
 def step_arguments(description: str, steps: int) -> argparse.Namespace:
-    """The command line shared by the step-timing scripts (this one and bf16_step.py)."""
+    """The command line shared by the step-timing scripts (this one, bf16_step.py and cpu_step.py)."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--data", type=Path, required=True)
     parser.add_argument("--sasrec", type=Path, required=True)
