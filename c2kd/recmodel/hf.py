@@ -150,8 +150,7 @@ def plain_attention_for_training(model: nn.Module) -> None:
     """Switch every Hugging Face model inside `model` to the plain (matmul + softmax) attention.
 
     For training on CPU: at c2kd's prompt lengths (~40 tokens) the fused SDPA kernel's backward took
-    a fifth to a third of a step (SmolLM2's first 3 layers: step 0.70x with the plain attention and
-    the head's cached cast, the whole 30 layers 0.54x; Gemma 0.80x / 0.93x). Both compute the same
+    a fifth to two fifths of a SmolLM2 step (benchmarks/cpu_step.py). Both compute the same
     attention; the setting is not saved with the model, so inference keeps the default."""
     for module in model.modules():
         if isinstance(module, PreTrainedModel) and module.config._attn_implementation != "eager":
