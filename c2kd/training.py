@@ -12,7 +12,8 @@
   world size. `grad_accum` micro-batches make one optimizer step.
 - AdamW (weight decay on matrices only) and linear warmup then cosine decay to 0.
 - bf16 autocast when `bf16=True` and the device supports it (CPU autocast supports bf16).
-- On CPU, Hugging Face models inside `model` train with the plain attention (`hf.plain_attention_for_training`).
+- `on_device(model, device)` runs once the model is on its device (the LM recipes pass
+  `hf.prepare_for_training`: the plain attention on CPU).
 - Checkpoints every `checkpoint_every` optimizer steps in `out_dir/checkpoints/step-XXXXXX/`
   (trainable weights, optimizer, scheduler, data position, every rank's RNG states), written to a
   temp folder and renamed. `train()` resumes from the newest one by itself; a resumed run ends with
@@ -35,7 +36,6 @@ import math
 import random
 import re
 import shutil
-import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -253,6 +253,7 @@ def train(
     config: TrainConfig,
     trainable_parameters: list[nn.Parameter] | None = None,
     on_epoch_end: Callable[[int, dict], dict | None] | None = None,
+    on_device: Callable[[nn.Module, torch.device], None] | None = None,
 ) -> TrainResult:
     """Train `model` in place (ending with its best validation weights) and return where things went.
 
@@ -287,10 +288,8 @@ def train(
         raise C2KDError("the model has no trainable parameters")
     frozen_sum = _frozen_checksum(model, [p for _, p in model.named_parameters() if not p.requires_grad])
     model.to(device)
-    if device.type == "cpu" and "transformers" in sys.modules:  # no Hugging Face model without it imported
-        from c2kd.recmodel.hf import plain_attention_for_training
-
-        plain_attention_for_training(model)
+    if on_device is not None:
+        on_device(model, device)
 
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": config.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]

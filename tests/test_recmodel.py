@@ -416,7 +416,7 @@ def test_frozen_head_under_autocast_is_cast_once_and_equals_the_linear(tokenizer
 def test_training_on_cpu_uses_the_plain_attention_and_does_not_save_it(tokenizer, item_embeddings, tmp_path):
     import copy
 
-    from c2kd.recmodel.hf import plain_attention_for_training
+    from c2kd.recmodel.hf import plain_attention_for_training, prepare_for_training
     from c2kd.training import ExampleBatches, TrainConfig, train
 
     model = RecLM.from_preset("micro", tokenizer, item_embeddings, "ids", seed=4)
@@ -429,7 +429,8 @@ def test_training_on_cpu_uses_the_plain_attention_and_does_not_save_it(tokenizer
     with torch.no_grad():  # the same attention computed two ways
         torch.testing.assert_close(plain(**batch).loss, model(**batch).loss, atol=1e-5, rtol=1e-5)
     train(model, lambda m, b: {"loss": m(**b).loss}, ExampleBatches(examples, lambda e: collate(e, encoder.pad_id), 2, 0),
-          None, None, TrainConfig(out_dir=str(tmp_path / "run"), epochs=1, batch_size=2, progress=False))
+          None, None, TrainConfig(out_dir=str(tmp_path / "run"), epochs=1, batch_size=2, progress=False),
+          on_device=prepare_for_training)
     assert model.base_lm().config._attn_implementation == "eager"
     saved = RecLM.load(model.save(tmp_path / "saved"))
     assert saved.base_lm().config._attn_implementation == "sdpa"

@@ -38,6 +38,7 @@ from c2kd.pipeline.sasrec import (SplitTensors, catalog_scores, check_fingerprin
                                   read_run_config)
 from c2kd.recmodel.build import build_model as build_reclm
 from c2kd.recmodel.build import check_source
+from c2kd.recmodel.hf import prepare_for_training
 from c2kd.recmodel.model import RecLM
 from c2kd.recmodel.prompts import (EncodedExample, PromptEncoder, check_format, collate, encode_frame, first_answer_rows,
                                    next_history_items)
@@ -218,7 +219,8 @@ def train_teacher(
     extra_terms = recipe.history_loss or recipe.sasrec_kd
     loss_fn = (teacher_loss(recipe.history_loss, recipe.sasrec_kd, model.item_token_ids) if extra_terms
                else answer_loss)
-    result: TrainResult = train(model, loss_fn, source, evaluator, recipe.select_metric, config)
+    result: TrainResult = train(model, loss_fn, source, evaluator, recipe.select_metric, config,
+                                on_device=prepare_for_training)
     record = {
         "kind": TRAIN_KIND, "version": TRAIN_VERSION, "recipe": RECIPE,
         "format": recipe.fmt,

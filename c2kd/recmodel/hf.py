@@ -157,6 +157,12 @@ def plain_attention_for_training(model: nn.Module) -> None:
             module.set_attn_implementation("eager")
 
 
+def prepare_for_training(model: nn.Module, device: torch.device) -> None:
+    """What training does to the Hugging Face models inside `model` once it is on `device`."""
+    if device.type == "cpu":
+        plain_attention_for_training(model)
+
+
 def quiet_transformers() -> None:
     """Keep library progress bars and notices ("Loading weights", mean resizing) out of c2kd's output."""
     from transformers.utils import logging

@@ -34,6 +34,7 @@ from c2kd.errors import C2KDError
 from c2kd.evaluate import RecLMEvaluator
 from c2kd.pipeline.examples import ExampleSet, fixed_subset, load_examples
 from c2kd.recmodel.build import build_model, check_source
+from c2kd.recmodel.hf import prepare_for_training
 from c2kd.recmodel.model import RecLM
 from c2kd.recmodel.pretrained import c2kd_home
 from c2kd.run_folder import check_or_write_recipe, claim, finished_run
@@ -210,7 +211,8 @@ def distill(
     evaluator = RecLMEvaluator(examples, "validation", limit=recipe.max_val, batch_size=recipe.eval_batch_size,
                                generation=False, full_catalog=False, progress=False)
     result = train(model, lambda net, batch: net(batch), source, lambda m: evaluator(m.student), recipe.select_metric,
-                   config, trainable_parameters=model.trainable_parameters(), on_epoch_end=epoch_router_counts(model))
+                   config, trainable_parameters=model.trainable_parameters(), on_epoch_end=epoch_router_counts(model),
+                   on_device=prepare_for_training)
     record = distill_record(recipe, teacher_cache, str(cache), model, examples, len(train_ids), evaluator, config,
                             stage1_result, result, layer_map)
     if rank != 0:
