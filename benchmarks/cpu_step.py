@@ -17,7 +17,6 @@ import json
 
 import torch
 
-from c2kd.recmodel.hf import plain_attention_for_training
 from head_step import FAMILIES, median_step_s, step_arguments, train_batch
 
 VARIANTS = {  # name: (plain attention, head cast once)
@@ -35,10 +34,9 @@ def measure(alias: str, shrink: str | None, data, sasrec, steps: int, blocks: in
 
     def loss_of(plain: bool, once: bool):
         def loss() -> torch.Tensor:
-            if plain:
-                plain_attention_for_training(model)
-            else:
-                model.base_lm().set_attn_implementation("sdpa")
+            want = "eager" if plain else "sdpa"  # switched on a block's first step only, not inside every timed step
+            if model.base_lm().config._attn_implementation != want:
+                model.base_lm().set_attn_implementation(want)
             model.added.frozen_logits = cast_once if once else (lambda _head, h: head(h))
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 return model(**batch).loss
