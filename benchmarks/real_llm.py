@@ -10,9 +10,9 @@ from the cache with SFT, logit KD, feature KD and C2KD (their logit losses over 
 tokens), over seeds -> batch-1 latency and parameters. SASRec over three seeds on the same data.
 
 Every step is one `c2kd` command writing its own folder and is skipped when its output exists;
-the commands resume on their own, so a run cut short continues where it stopped. Steps run one
-at a time, the students two at a time with one thread each; the timed steps (latency, the head
-step ratio) run last. Writes summary.json (every number, the commands, the goals) and summary.md.
+the commands resume on their own, so a run cut short continues where it stopped. Teachers run one
+at a time on both cores, the students two at a time with one thread each, Gemma's first seed in one
+pool with SmolLM2's last (see PHASES); the timed steps (latency, the head step ratio) run last. Writes summary.json (every number, the commands, the goals) and summary.md.
 timings.json keeps each finished step's seconds and the tier's wall time summed over resumed
 runs (a run killed mid-step loses at most StepClock.HEARTBEAT_S of it).
 """
@@ -48,16 +48,20 @@ FAMILIES = {
                 "kd_over": "items"},
     "gemma": {"alias": "gemma3-270m", "layers": 18, "keep": 2, "seeds": [0], "teacher_epochs": 3, "kd_over": "items"},
 }
-# Cheap seeds first, so a run cut short still has every family: SmolLM2 seeds 0-1, Gemma seed 0, SmolLM2
-# seed 2, then Gemma's further seeds when --gemma-seeds asks for them.
-SCHEDULE = (("smollm2", 2), ("gemma", 1), ("smollm2", 3), ("gemma", 3))
+# Phases of (family, first seed, end seed) — indices into the family's seeds: each trains its families'
+# teachers (both cores), then all its students in one pool, two at a time, so that the last student of one
+# family does not leave a core idle. Cheap seeds first, so a run cut short still has every family: SmolLM2
+# seeds 0-1; Gemma seed 0 (its longer students first) with SmolLM2 seed 2; then Gemma's further seeds when
+# --gemma-seeds asks for them.
+PHASES = ((("smollm2", 0, 2),), (("gemma", 0, 1), ("smollm2", 2, 3)), (("gemma", 1, 3),))
 METHODS = {
     "SFT from cache": ["--method", "sft"],
     "logit KD": ["--method", "logit-kd"],
     "feature KD": ["--method", "feature-kd"],
     "C2KD": ["--method", "c2kd"],
 }
-TRAIN_ORDER = ("SFT from cache", "C2KD", "logit KD", "feature KD")
+# C2KD right after SFT: a run cut short still compares them; the student alone (the cheapest) last
+TRAIN_ORDER = ("SFT from cache", "C2KD", "logit KD", "feature KD", "student alone")
 WITH_LOGIT_LOSSES = ("logit KD", "C2KD")  # the methods --kd-over applies to
 METRICS = (("candidates", "HR@1"), ("candidates", "NDCG@10"), ("candidates", "MRR"), ("full_catalog", "NDCG@10"))
 
@@ -241,17 +245,27 @@ class Bench:
             flags += ["--router-layers", ",".join(map(str, late_layers(FAMILIES[name]["layers"])))]
         return flags
 
-    def family(self, name: str, num_seeds: int) -> None:
-        a, fam = self.args, FAMILIES[name]
-        self.teacher(name)
+    def student_jobs(self, name: str, first: int, end: int) -> list[tuple]:
+        """The family's students of its seeds[first:end] (at most --max-seeds, or 1 under --quick, in all),
+        in TRAIN_ORDER per seed; finished ones are skipped when run."""
         jobs = []
-        for seed in self.seeds[name][: 1 if a.quick else num_seeds]:
-            jobs.append(self.alone_job(name, "student-alone", seed))
-            if a.history_loss:  # the teacher's objective given to the student alone too
-                jobs.append(self.alone_job(name, "student-alone-history", seed, self.history_loss()))
-            for method in TRAIN_ORDER:  # C2KD right after SFT: a run cut short still compares them
-                jobs.append(self.distill_job(name, method, self.method_flags(name, method), seed))
-        self.run_jobs(jobs)
+        for seed in self.seeds[name][first: min(end, 1 if self.args.quick else self.args.max_seeds)]:
+            for method in TRAIN_ORDER:
+                if method == "student alone":
+                    jobs.append(self.alone_job(name, "student-alone", seed))
+                    if self.args.history_loss:  # the teacher's objective given to the student alone too
+                        jobs.append(self.alone_job(name, "student-alone-history", seed, self.history_loss()))
+                else:
+                    jobs.append(self.distill_job(name, method, self.method_flags(name, method), seed))
+        return jobs
+
+    def train(self) -> None:
+        """Every phase of PHASES for the run's families: the teachers, then the students in one pool."""
+        for phase in PHASES:
+            phase = [(name, first, end) for name, first, end in phase if name in self.args.families]
+            for name, _, _ in phase:
+                self.teacher(name)
+            self.run_jobs([job for name, first, end in phase for job in self.student_jobs(name, first, end)])
 
     def timed(self, name: str) -> None:
         """Batch-1 latency (teacher vs student, interleaved) and parameters; alone, one thread."""
@@ -439,9 +453,7 @@ def main() -> None:
     bench = Bench(args)
     started = time.perf_counter()
     bench.data_and_sasrec()
-    for name, num_seeds in SCHEDULE:
-        if name in args.families:
-            bench.family(name, min(num_seeds, args.max_seeds))
+    bench.train()
     bench.student_tests()
     for name in args.families:
         bench.timed(name)
