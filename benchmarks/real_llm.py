@@ -12,7 +12,8 @@ tokens), over seeds -> batch-1 latency and parameters. SASRec over three seeds o
 Every step is one `c2kd` command writing its own folder and is skipped when its output exists;
 the commands resume on their own, so a run cut short continues where it stopped. Teachers run one
 at a time on both cores, the students two at a time with one thread each, Gemma's first seed in one
-pool with SmolLM2's last (see PHASES); the timed steps (latency, the head step ratio) run last. Writes summary.json (every number, the commands, the goals) and summary.md.
+pool with SmolLM2's last (see PHASES); the timed steps (latency, the head step ratio) run last.
+Writes summary.json (every number, the commands, the goals) and summary.md.
 timings.json keeps each finished step's seconds and the tier's wall time summed over resumed
 runs (a run killed mid-step loses at most StepClock.HEARTBEAT_S of it).
 """
