@@ -263,10 +263,10 @@ class Bench:
     def train(self) -> None:
         """Every phase of PHASES for the run's families: the teachers, then the students in one pool."""
         for phase in PHASES:
-            phase = [(name, first, end) for name, first, end in phase if name in self.args.families]
-            for name, _, _ in phase:
+            active = [(name, first, end) for name, first, end in phase if name in self.args.families]
+            for name, _, _ in active:
                 self.teacher(name)
-            self.run_jobs([job for name, first, end in phase for job in self.student_jobs(name, first, end)])
+            self.run_jobs([job for name, first, end in active for job in self.student_jobs(name, first, end)])
 
     def timed(self, name: str) -> None:
         """Batch-1 latency (teacher vs student, interleaved) and parameters; alone, one thread."""
