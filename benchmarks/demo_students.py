@@ -22,7 +22,7 @@ import json
 import time
 from pathlib import Path
 
-from c2kd.pipeline.examples import load_examples
+from c2kd.data.examples import load_examples
 from c2kd.student.distill import DistillRecipe, distill
 
 

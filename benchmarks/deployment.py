@@ -29,8 +29,8 @@ from c2kd.deploy.export import export_ranker
 from c2kd.deploy.runtime import Ranker
 from c2kd.latency import interleaved_times, reclm_request, sasrec_request
 from c2kd.metrics import candidate_metrics
-from c2kd.pipeline.examples import load_examples, target_indices
-from c2kd.pipeline.sasrec import load_sasrec
+from c2kd.data.examples import load_examples, target_indices
+from c2kd.sasrec.train import load_sasrec
 from c2kd.recmodel.model import RecLM
 
 
@@ -52,7 +52,7 @@ def folder_bytes(path: Path) -> int:
 def peak_rss_mib(kind: str, path: Path, data: Path) -> float:
     """Peak resident memory of a fresh process loading one variant and answering 20 requests."""
     code = (
-        "from c2kd.pipeline.examples import load_examples\n"
+        "from c2kd.data.examples import load_examples\n"
         f"test = load_examples({str(data)!r}).split('test')\n"
         "rows = list(zip(test['history'].to_list(), test['candidates'].to_list()))\n"
     )

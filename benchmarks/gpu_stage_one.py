@@ -39,9 +39,9 @@ def main() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from c2kd.pipeline.cache_teacher import CacheTeacherSettings, TransformersStates, cache_teacher, length_buckets
-    from c2kd.pipeline.examples import load_examples
-    from c2kd.pipeline.prepare import prepare
-    from c2kd.pipeline.sasrec import SASRecTrainConfig, load_item_embeddings, train_sasrec
+    from c2kd.data.examples import load_examples
+    from c2kd.data.prepare import prepare
+    from c2kd.sasrec.train import SASRecTrainConfig, load_item_embeddings, train_sasrec
     from c2kd.recmodel import hf
     from c2kd.recmodel.layers import late_layers
     from c2kd.recmodel.model import RecLM

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from c2kd.pipeline.examples import load_examples
-from c2kd.pipeline.sasrec import load_item_embeddings
+from c2kd.data.examples import load_examples
+from c2kd.sasrec.train import load_item_embeddings
 from c2kd.recmodel.build import build_model
 from c2kd.recmodel.prompts import PromptEncoder, answer_mask, collate, encode_frame
 

@@ -63,7 +63,7 @@ def _write_json(path: Path, obj: dict) -> None:
 def sasrec_job(data: str, out: str, seed: int, threads: int, epochs: int | None = None) -> dict:
     """Train SASRec for one seed (or read the finished run) and return its test metrics."""
     _limit_threads(threads)
-    from c2kd.pipeline.sasrec import SASRecTrainConfig, train_sasrec
+    from c2kd.sasrec.train import SASRecTrainConfig, train_sasrec
 
     run = Path(out)
     config = SASRecTrainConfig(seed=seed) if epochs is None else SASRecTrainConfig(seed=seed, epochs=epochs)
@@ -90,7 +90,7 @@ def lm_job(role: str, data: str, sasrec: str, out: str, recipe: dict, train_conf
            test_limit: int | None) -> dict:
     """Train one recommender LM (or reuse the finished folder), evaluate it on test, return a row."""
     _limit_threads(threads)
-    from c2kd.pipeline.teacher import TeacherRecipe, read_train_record, train_teacher
+    from c2kd.finetune.teacher import TeacherRecipe, read_train_record, train_teacher
     from c2kd.evaluate import evaluate_reclm
 
     run = Path(out)
@@ -268,11 +268,11 @@ def main(argv: list[str] | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     data = args.data
     if not (data / "manifest.json").is_file():
-        from c2kd.pipeline.prepare import prepare
+        from c2kd.data.prepare import prepare
 
         print(f"preparing movielens-100k into {data}", flush=True)
         prepare("movielens-100k", data, seed=0, max_train_per_user=args.max_train_per_user or None)
-    from c2kd.pipeline.examples import load_examples
+    from c2kd.data.examples import load_examples
 
     examples = load_examples(data)
     test_examples = min(examples.split("test").height, args.test_limit or 10**9)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from c2kd.evaluate import rank_scores
-from c2kd.pipeline.examples import load_examples
+from c2kd.data.examples import load_examples
 from c2kd.recmodel.model import RecLM
 from c2kd.recmodel.prompts import PromptEncoder
 

@@ -279,7 +279,7 @@ class Bench:
         code = (
             "import json, sys, torch; torch.set_num_threads(1)\n"
             "from c2kd.latency import interleaved_latency, reclm_request\n"
-            "from c2kd.pipeline.examples import load_examples\n"
+            "from c2kd.data.examples import load_examples\n"
             "from c2kd.recmodel.model import RecLM\n"
             f"ex = load_examples({str(self.data)!r}); test = ex.split('test')\n"
             f"models = {{'teacher': RecLM.load({str(root / 'teacher')!r}).eval(), "

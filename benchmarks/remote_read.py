@@ -95,7 +95,7 @@ def main() -> None:
     if not data.exists():
         c2kd("prepare", "movielens-100k", "--out", str(data), "--max-train-per-user", "5")
     if not (cache / "manifest.json").exists():
-        from c2kd.pipeline.examples import load_examples
+        from c2kd.data.examples import load_examples
         from c2kd.recmodel.model import RecLM
         from c2kd.recmodel.tokenizer import build_word_tokenizer
 

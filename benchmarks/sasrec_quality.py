@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from c2kd.pipeline.sasrec import SASRecTrainConfig, train_sasrec
+from c2kd.sasrec.train import SASRecTrainConfig, train_sasrec
 
 COLUMNS = [("candidates", "HR@1"), ("candidates", "NDCG@10"), ("candidates", "MRR"), ("full_catalog", "NDCG@10")]
 

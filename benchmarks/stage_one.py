@@ -38,7 +38,7 @@ import torch
 
 from c2kd.cache_schema import CacheSpec, CacheWriter, ExampleRecord, TeacherCache, cache_info, plan_shards
 from c2kd.pipeline.cache_teacher import CacheTeacherSettings, TeacherRunner, build_spec, rows_by_id, teacher_config, write_shards
-from c2kd.pipeline.examples import ExampleSet, load_examples
+from c2kd.data.examples import ExampleSet, load_examples
 from c2kd.pipeline.shard_writers import start_shard_writer
 from c2kd.recmodel.model import RecLM
 from c2kd.recmodel.prompts import PromptEncoder, collate
@@ -317,7 +317,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     try:
         if args.data is None:
-            from c2kd.pipeline.prepare import prepare
+            from c2kd.data.prepare import prepare
 
             prepare("movielens-100k", work / "ml100k", seed=0, max_train_per_user=5, overwrite=True)
             args.data = work / "ml100k"

@@ -47,7 +47,7 @@ from transformers import AutoModelForCausalLM
 
 from c2kd.cache_schema.reader import TeacherCache
 from c2kd.pipeline.cache_teacher import CacheTeacherSettings, cache_teacher
-from c2kd.pipeline.examples import load_examples
+from c2kd.data.examples import load_examples
 from c2kd.recmodel.model import RecLM
 from c2kd.recmodel.presets import ModelPreset
 from c2kd.recmodel.prompts import PromptEncoder, collate, encode_frame
@@ -64,7 +64,7 @@ def prepare_inputs(args, work: Path) -> tuple[Path, Path, Path]:
     """(data, teacher, cache) folders: given ones are used, missing ones are made in `work`."""
     data = args.data
     if data is None:
-        from c2kd.pipeline.prepare import prepare
+        from c2kd.data.prepare import prepare
 
         data = work / "examples"
         prepare("movielens-100k", data, seed=0, max_train_per_user=5)

@@ -33,7 +33,7 @@ VARIANTS = {"transformers": {"backend": "transformers"},
 
 def teachers(work: Path, examples, sasrec: Path) -> dict[str, dict[str, Path]]:
     """{name: {format: saved teacher}}: a random tiny-teacher and SmolLM2-135M, in ids and llara."""
-    from c2kd.pipeline.sasrec import load_item_embeddings
+    from c2kd.sasrec.train import load_item_embeddings
     from c2kd.recmodel.model import RecLM
     from c2kd.recmodel.tokenizer import build_word_tokenizer
 
@@ -81,9 +81,9 @@ def main() -> None:
     torch.set_num_threads(1)
     from c2kd.cache_schema import TeacherCache
     from c2kd.pipeline.cache_teacher import CacheTeacherSettings, cache_teacher
-    from c2kd.pipeline.examples import load_examples
-    from c2kd.pipeline.prepare import prepare
-    from c2kd.pipeline.sasrec import SASRecTrainConfig, train_sasrec
+    from c2kd.data.examples import load_examples
+    from c2kd.data.prepare import prepare
+    from c2kd.sasrec.train import SASRecTrainConfig, train_sasrec
 
     work = args.work
     work.mkdir(parents=True, exist_ok=True)

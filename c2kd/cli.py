@@ -60,7 +60,7 @@ def prepare(
     from rich.console import Console
     from rich.table import Table
 
-    from c2kd.pipeline.prepare import prepare as run_prepare
+    from c2kd.data.prepare import prepare as run_prepare
 
     console = Console()
     with reporting_errors(), console.status("preparing examples"):
@@ -110,7 +110,7 @@ def train_sasrec_cmd(
     """Train the SASRec baseline; it also provides the item embeddings used in LM prompts."""
     import torch
 
-    from c2kd.pipeline.sasrec import SASRecTrainConfig, train_sasrec
+    from c2kd.sasrec.train import SASRecTrainConfig, train_sasrec
 
     given = {"epochs": epochs, "batch_size": batch_size, "lr": lr, "patience": patience}
     with reporting_errors():
@@ -140,7 +140,7 @@ def evaluate_cmd(
     """Evaluate a trained model on one split: ranking of the 20 candidates (and more per model)."""
     with reporting_errors():
         from c2kd.atomic import check_destination
-        from c2kd.pipeline.sasrec import read_run_config
+        from c2kd.sasrec.train import read_run_config
 
         if out is not None:
             check_destination(out)
@@ -148,7 +148,7 @@ def evaluate_cmd(
                 raise C2KDError(f"--out {out}: is a folder; give the path of a JSON file to write")
         kind = read_run_config(model)["kind"]
         if kind == "sasrec":
-            from c2kd.pipeline.sasrec import evaluate_sasrec
+            from c2kd.sasrec.train import evaluate_sasrec
 
             result = evaluate_sasrec(model, data, split)
         elif kind == "reclm":
@@ -275,7 +275,7 @@ def train_teacher_cmd(
     Rerun the same command after an interruption to resume from the last checkpoint. Launch with
     `torchrun --nproc_per_node N -m c2kd.cli train-teacher ...` for data-parallel training."""
     from c2kd.distributed import is_main_process
-    from c2kd.pipeline.teacher import LoraSettings, TeacherRecipe, train_teacher
+    from c2kd.finetune.teacher import LoraSettings, TeacherRecipe, train_teacher
 
     with reporting_errors():
         recipe = TeacherRecipe(
@@ -576,7 +576,7 @@ def export_cmd(
     import warnings
 
     from c2kd.deploy.export import export_ranker
-    from c2kd.pipeline.examples import load_examples
+    from c2kd.data.examples import load_examples
 
     with reporting_errors():
         examples = load_examples(data)
@@ -603,7 +603,7 @@ def recommend_cmd(
     from rich.table import Table
 
     from c2kd.deploy.recommend import made_up_request, rank, user_request
-    from c2kd.pipeline.examples import load_examples
+    from c2kd.data.examples import load_examples
 
     with reporting_errors():
         if (user is None) == (history is None):

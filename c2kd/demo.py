@@ -27,10 +27,10 @@ from c2kd.evaluate import evaluate_reclm
 from c2kd.hardware import cpu_description, native_bf16
 from c2kd.latency import interleaved_latency, reclm_request, sasrec_request
 from c2kd.pipeline.cache_teacher import CacheTeacherSettings, cache_teacher
-from c2kd.pipeline.examples import load_examples
-from c2kd.pipeline.prepare import prepare
-from c2kd.pipeline.sasrec import SASRecTrainConfig, evaluate_sasrec, load_sasrec, train_sasrec
-from c2kd.pipeline.teacher import TeacherRecipe, train_teacher
+from c2kd.data.examples import load_examples
+from c2kd.data.prepare import prepare
+from c2kd.sasrec.train import SASRecTrainConfig, evaluate_sasrec, load_sasrec, train_sasrec
+from c2kd.finetune.teacher import TeacherRecipe, train_teacher
 from c2kd.recmodel.model import RecLM
 from c2kd.student.distill import DistillRecipe, distill
 

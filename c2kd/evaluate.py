@@ -29,7 +29,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from c2kd.errors import C2KDError
 from c2kd.metrics import candidate_metrics, first_line, full_catalog_metrics, generation_metrics
-from c2kd.pipeline.examples import ExampleSet, load_examples, target_indices
+from c2kd.data.examples import ExampleSet, load_examples, target_indices
 from c2kd.recmodel.model import RecLM
 from c2kd.recmodel.prompts import EncodedExample, PromptEncoder
 

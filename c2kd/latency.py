@@ -16,7 +16,7 @@ import torch
 
 from c2kd.recmodel.model import RecLM
 from c2kd.recmodel.prompts import PromptEncoder, encode_frame
-from c2kd.pipeline.sasrec_model import SASRec
+from c2kd.sasrec.model import SASRec
 from c2kd.evaluate import rank_scores
 
 Request = Callable[[int], object]

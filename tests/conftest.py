@@ -15,7 +15,7 @@ import polars as pl  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from c2kd.pipeline.prepare import prepare  # noqa: E402
+from c2kd.data.prepare import prepare  # noqa: E402
 
 torch.set_num_threads(1)
 

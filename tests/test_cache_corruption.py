@@ -20,7 +20,7 @@ from conftest import save_random_teacher
 from c2kd.cache_schema import verify_cache
 from c2kd.errors import C2KDError
 from c2kd.pipeline.cache_teacher import CacheTeacherSettings, cache_teacher
-from c2kd.pipeline.examples import load_examples
+from c2kd.data.examples import load_examples
 from c2kd.student.distill import DistillRecipe, distill
 
 pytestmark = pytest.mark.slow

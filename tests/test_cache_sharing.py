@@ -20,7 +20,7 @@ from c2kd.cache_schema.transfer import pull, push
 from c2kd.cli import main
 from c2kd.errors import CacheError
 from c2kd.pipeline.cache_teacher import CacheTeacherSettings, cache_teacher
-from c2kd.pipeline.examples import load_examples
+from c2kd.data.examples import load_examples
 from c2kd.student.distill import DistillRecipe, distill
 
 pytestmark = pytest.mark.slow

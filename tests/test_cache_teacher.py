@@ -21,7 +21,7 @@ from c2kd.cli import app
 from c2kd.errors import C2KDError, CacheError
 from c2kd.pipeline.cache_teacher import CacheTeacherSettings, TeacherRunner, build_spec, cache_teacher, length_buckets
 from c2kd.pipeline.shard_writers import ShardJob, ShardWriterProcess, start_shard_writer
-from c2kd.pipeline.examples import load_examples
+from c2kd.data.examples import load_examples
 from c2kd.recmodel.layers import late_layers
 from c2kd.recmodel.model import RecLM
 from c2kd.recmodel.prompts import PromptEncoder, collate

@@ -18,9 +18,9 @@ from conftest import save_random_teacher
 
 from c2kd.cli import main
 from c2kd.pipeline.cache_teacher import CacheTeacherSettings, cache_teacher
-from c2kd.pipeline.examples import load_examples
-from c2kd.pipeline.prepare import prepare
-from c2kd.pipeline.sasrec import SASRecTrainConfig, train_sasrec
+from c2kd.data.examples import load_examples
+from c2kd.data.prepare import prepare
+from c2kd.sasrec.train import SASRecTrainConfig, train_sasrec
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from c2kd.cli import main
 from c2kd.deploy.export import export_ranker
 from c2kd.deploy.runtime import Ranker, RankerError
 from c2kd.evaluate import rank_scores
-from c2kd.pipeline.examples import load_examples
+from c2kd.data.examples import load_examples
 from c2kd.recmodel.model import RecLM
 from c2kd.recmodel.prompts import PromptEncoder, encode_frame
 from c2kd.recmodel.tokenizer import build_word_tokenizer

@@ -21,8 +21,8 @@ from c2kd.cache_schema.reader import TeacherCache
 from c2kd.cli import app
 from c2kd.errors import C2KDError
 from c2kd.pipeline.cache_teacher import CacheTeacherSettings, cache_teacher
-from c2kd.pipeline.examples import load_examples
-from c2kd.pipeline.prepare import prepare
+from c2kd.data.examples import load_examples
+from c2kd.data.prepare import prepare
 from c2kd.recmodel.model import RecLM
 from c2kd.recmodel.prompts import PromptEncoder, collate, encode_frame
 from c2kd.recmodel.tokenizer import build_word_tokenizer

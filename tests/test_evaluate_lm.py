@@ -12,7 +12,7 @@ import torch
 
 from c2kd.errors import C2KDError
 from c2kd.metrics import candidate_metrics
-from c2kd.pipeline.examples import load_examples, target_indices
+from c2kd.data.examples import load_examples, target_indices
 from c2kd.recmodel.model import RecLM
 from c2kd.recmodel.prompts import PromptEncoder, collate, encode_frame
 from c2kd.recmodel.tokenizer import build_word_tokenizer

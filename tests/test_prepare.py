@@ -14,10 +14,10 @@ from typer.testing import CliRunner
 
 from c2kd.cli import app
 from c2kd.errors import C2KDError, DataError
-from c2kd.pipeline import prepare as prepare_module
-from c2kd.pipeline.examples import SPLITS, content_fingerprint, load_examples, target_indices
-from c2kd.pipeline.prepare import prepare
-from c2kd.pipeline.sources import clean_title, read_source
+from c2kd.data import prepare as prepare_module
+from c2kd.data.examples import SPLITS, content_fingerprint, load_examples, target_indices
+from c2kd.data.prepare import prepare
+from c2kd.data.sources import clean_title, read_source
 
 FILES = ["items.parquet", "train.parquet", "validation.parquet", "test.parquet", "manifest.json"]
 
@@ -471,7 +471,7 @@ def _movielens_copies(folder: Path) -> dict[str, tuple]:
     """MovieLens-100k written the ways users hold it, from the recbole wheel's atomic files:
     a GroupLens folder (u.data, Latin-1 u.item with "Title (year)" and the "(1995) (V)" quirk of
     item 1412), its zip, a CSV and a Parquet table with an items file, and the RecBole folder."""
-    from c2kd.pipeline.sources import movielens_100k_dir
+    from c2kd.data.sources import movielens_100k_dir
 
     recbole = movielens_100k_dir()
     inter = pl.read_csv(recbole / "ml-100k.inter", separator="\t", new_columns=["user", "item", "rating", "timestamp"])

@@ -20,7 +20,7 @@ import c2kd.evaluate as evaluate_module
 from c2kd.cache_schema import TeacherCache
 from c2kd.evaluate import evaluate_reclm, left_pad, llara_candidate_scores
 from c2kd.pipeline.cache_teacher import CacheTeacherSettings, cache_teacher
-from c2kd.pipeline.examples import load_examples
+from c2kd.data.examples import load_examples
 from c2kd.recmodel.layers import late_layers
 from c2kd.recmodel.model import RecLM
 from c2kd.recmodel.pretrained import converted_folder, model_store

@@ -14,12 +14,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-import c2kd.pipeline.sasrec as sasrec
+import c2kd.sasrec.train as sasrec
 from c2kd.cli import app
 from c2kd.errors import C2KDError
-from c2kd.pipeline.examples import load_examples
-from c2kd.pipeline.prepare import prepare
-from c2kd.pipeline.sasrec import (
+from c2kd.data.examples import load_examples
+from c2kd.data.prepare import prepare
+from c2kd.sasrec.train import (
     SASRecTrainConfig,
     evaluate_sasrec,
     fit,
@@ -220,7 +220,7 @@ def test_cli_reports_bad_inputs_in_one_line(tiny_examples_dir, tmp_path):
 
 
 def test_model_is_causal_and_ignores_padding():
-    from c2kd.pipeline.sasrec_model import SASRec, SASRecSpec
+    from c2kd.sasrec.model import SASRec, SASRecSpec
 
     torch.manual_seed(0)
     model = SASRec(SASRecSpec(num_items=30, hidden=16, max_len=10)).eval()

@@ -12,11 +12,11 @@ from typer.testing import CliRunner
 
 from c2kd.cli import app
 from c2kd.errors import C2KDError
-from c2kd.pipeline import teacher
-from c2kd.pipeline.examples import load_examples
-from c2kd.pipeline.sasrec import (SASRecTrainConfig, SplitTensors, catalog_scores, load_item_embeddings, load_sasrec,
+from c2kd.finetune import teacher
+from c2kd.data.examples import load_examples
+from c2kd.sasrec.train import (SASRecTrainConfig, SplitTensors, catalog_scores, load_item_embeddings, load_sasrec,
                                   train_sasrec)
-from c2kd.pipeline.teacher import LoraSettings, TeacherRecipe, build_model, train_teacher
+from c2kd.finetune.teacher import LoraSettings, TeacherRecipe, build_model, train_teacher
 from c2kd.run_folder import partial_dir
 from c2kd.recmodel.model import RecLM
 from c2kd.recmodel.prompts import PromptEncoder, collate, encode_frame

@@ -17,7 +17,7 @@ from conftest import save_random_teacher
 
 from c2kd.cache_schema import TeacherCache, verify_cache
 from c2kd.pipeline.cache_teacher import CacheTeacherSettings, cache_teacher
-from c2kd.pipeline.examples import load_examples
+from c2kd.data.examples import load_examples
 from c2kd.recmodel.model import RecLM
 from c2kd.recmodel.tokenizer import build_word_tokenizer
 from c2kd.student.distill import DistillRecipe, distill

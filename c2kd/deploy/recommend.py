@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from c2kd.errors import C2KDError
-from c2kd.pipeline.examples import NUM_CANDIDATES, ExampleSet
+from c2kd.data.examples import NUM_CANDIDATES, ExampleSet
 
 
 @dataclass

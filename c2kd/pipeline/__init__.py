@@ -1,1 +1,1 @@
-"""Data preparation, the teacher, and stage one (caching the teacher)."""
+"""Stage one: running the teacher once and writing its states to a teacher cache (transformers or vLLM)."""

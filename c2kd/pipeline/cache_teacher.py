@@ -32,7 +32,7 @@ from c2kd.cache_schema.plan import PlannedShard, ShardPlan
 from c2kd.cache_schema.records import answer_positions
 from c2kd.cache_schema.schema import POSITIONS, STORAGE_DTYPES, Compression, LogitsPolicy, parse_part
 from c2kd.errors import C2KDError, CacheError
-from c2kd.pipeline.examples import SPLITS, ExampleSet, fixed_subset, load_examples
+from c2kd.data.examples import SPLITS, ExampleSet, fixed_subset, load_examples
 from c2kd.pipeline.shard_writers import WRITERS, BatchOutputs, ShardJob, ShardWriter, start_shard_writer, to_records
 from c2kd.pipeline.vllm_backend import MECHANISMS, check_vllm
 from c2kd.recmodel import hf

@@ -32,7 +32,7 @@ from c2kd.cache_schema import CacheSpec, TeacherCache
 from c2kd.distributed import dist_env
 from c2kd.errors import C2KDError
 from c2kd.evaluate import RecLMEvaluator
-from c2kd.pipeline.examples import ExampleSet, fixed_subset, load_examples
+from c2kd.data.examples import ExampleSet, fixed_subset, load_examples
 from c2kd.recmodel.build import build_model, check_source
 from c2kd.recmodel.hf import prepare_for_training
 from c2kd.recmodel.model import RecLM

@@ -14,7 +14,7 @@ import torch
 from c2kd.atomic import write_json
 from c2kd.cache_schema import TeacherCache
 from c2kd.distributed import all_reduce_sum
-from c2kd.pipeline.examples import ExampleSet
+from c2kd.data.examples import ExampleSet
 from c2kd.recmodel.model import RecLM
 from c2kd.run_folder import publish
 from c2kd.training import TrainConfig, TrainResult, read_log

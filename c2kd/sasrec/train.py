@@ -33,8 +33,8 @@ from safetensors.torch import load_file, save_file
 from c2kd.atomic import check_destination, staged_dir, write_json
 from c2kd.errors import C2KDError
 from c2kd.metrics import candidate_metrics, full_catalog_metrics
-from c2kd.pipeline.examples import MAX_HISTORY, ExampleSet, load_examples, target_indices
-from c2kd.pipeline.sasrec_model import SASRec, SASRecSpec
+from c2kd.data.examples import MAX_HISTORY, ExampleSet, load_examples, target_indices
+from c2kd.sasrec.model import SASRec, SASRecSpec
 
 RUN_KIND = "sasrec"
 RUN_VERSION = 1

@@ -33,8 +33,8 @@ from c2kd.atomic import write_json
 from c2kd.distributed import dist_env
 from c2kd.errors import C2KDError
 from c2kd.evaluate import RecLMEvaluator
-from c2kd.pipeline.examples import ExampleSet, fixed_subset, load_examples
-from c2kd.pipeline.sasrec import (SplitTensors, catalog_scores, check_fingerprint, load_item_embeddings, load_sasrec,
+from c2kd.data.examples import ExampleSet, fixed_subset, load_examples
+from c2kd.sasrec.train import (SplitTensors, catalog_scores, check_fingerprint, load_item_embeddings, load_sasrec,
                                   read_run_config)
 from c2kd.recmodel.build import build_model as build_reclm
 from c2kd.recmodel.build import check_source

@@ -35,7 +35,7 @@ import pyarrow.parquet as pq
 
 from c2kd.atomic import check_destination, staged_dir
 from c2kd.errors import C2KDError, DataError
-from c2kd.pipeline.examples import (
+from c2kd.data.examples import (
     EXAMPLES_FORMAT,
     EXAMPLES_SCHEMA,
     EXAMPLES_VERSION,
@@ -46,7 +46,7 @@ from c2kd.pipeline.examples import (
     SPLITS,
     content_fingerprint,
 )
-from c2kd.pipeline.sources import Interactions, read_source
+from c2kd.data.sources import Interactions, read_source
 
 MIN_INTERACTIONS = MIN_HISTORY + 2  # history + validation target + test target
 _SPLIT_STREAMS = {"test": 0, "validation": 1, "train": 2}

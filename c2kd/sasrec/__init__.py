@@ -1,0 +1,1 @@
+"""SASRec: the sequential baseline, and the item embeddings the recommender LM's prompts carry."""
