@@ -11,12 +11,15 @@ Also the two losses at the starting weights, which differ only by bf16 rounding.
 
 from __future__ import annotations
 
-import json
+import sys
 from pathlib import Path
 
 import torch
 
-from head_step import FAMILIES, median_step_s, step_arguments, train_batch
+if __package__ in (None, ""):  # run as a file (python benchmarks/bf16_step.py): the repository root, for `benchmarks.`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.head_step import FAMILIES, median_step_s, step_arguments, train_batch  # noqa: E402
+from benchmarks.common import write_result  # noqa: E402
 
 
 def measure(alias: str, shrink: str | None, data: Path, sasrec: Path, steps: int, blocks: int) -> dict:
@@ -41,7 +44,7 @@ def main() -> None:
            for name in args.families for role, (alias, shrink) in
            (("teacher", (FAMILIES[name][0], None)), ("student", FAMILIES[name]))}
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(out, indent=2) + "\n")
+    write_result(args.json, out)
     for name, r in out.items():
         print(f"{name} ({r['model']}, {r['layers']} layers): bf16 step ÷ float32 step {r['ratio']:.2f}; "
               f"loss at start {r['loss_at_start']['float32']:.4f} / {r['loss_at_start']['bf16 autocast']:.4f}")

@@ -13,11 +13,17 @@ steps; the losses at the starting weights are reported too (equal up to bf16 rou
 
 from __future__ import annotations
 
-import json
+import sys
+from pathlib import Path
+
 
 import torch
 
-from head_step import FAMILIES, median_step_s, step_arguments, train_batch
+if __package__ in (None, ""):  # run as a file (python benchmarks/cpu_step.py): the repository root, for `benchmarks.`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.head_step import FAMILIES, median_step_s, step_arguments, train_batch  # noqa: E402
+from benchmarks.common import write_result  # noqa: E402
+
 
 VARIANTS = {  # name: (plain attention, head cast once)
     "before (fused attention, head cast every call)": (False, False),
@@ -60,7 +66,7 @@ def main() -> None:
             torch.set_num_threads(threads)  # as the tier trains them: teachers on both cores, students one each
             out[f"{name} {role}"] = measure(alias, shrink, args.data, args.sasrec, args.steps, args.blocks)
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(out, indent=2) + "\n")
+    write_result(args.json, out)
     for name, r in out.items():
         print(f"{name} ({r['model']}, {r['threads']} threads): " +
               ", ".join(f"{k} {v:.2f}" for k, v in r["ratio_to_before"].items()))

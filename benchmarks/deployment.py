@@ -33,6 +33,10 @@ from c2kd.data.examples import load_examples, target_indices
 from c2kd.sasrec.train import load_sasrec
 from c2kd.recmodel.model import RecLM
 
+if __package__ in (None, ""):  # run as a file (python benchmarks/deployment.py): the repository root, for `benchmarks.`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import write_result  # noqa: E402
+
 
 def ranker_request(ranker: Ranker, frame) -> object:
     rows = list(zip(frame["history"].to_list(), frame["candidates"].to_list()))
@@ -123,7 +127,7 @@ def main() -> None:
                                      "student": student.non_embedding_parameters()},
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "deployment.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out / "deployment.json", result)
     print(json.dumps(result, indent=2))
 
 

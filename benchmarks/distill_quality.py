@@ -20,6 +20,10 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+if __package__ in (None, ""):  # run as a file (python benchmarks/distill_quality.py): the repository root, for `benchmarks.`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import mean_std, write_result  # noqa: E402
+
 METHODS = {
     "sft": ["--method", "sft"],
     "logit-kd": ["--method", "logit-kd"],
@@ -51,10 +55,6 @@ def teacher_cache(data: Path, out: Path, sasrec_seed: int, epochs: int, lr: floa
         c2kd("cache-teacher", "--teacher", str(out / "teacher"), "--data", str(data), "--out", str(out / "cache"),
              "--splits", "train", "--no-progress")
     return out / "cache"
-
-
-def mean_std(values: list[float]) -> str:
-    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}" if len(values) > 1 else f"{values[0]:.3f}"
 
 
 def plot_summary(summary: dict, path: Path) -> None:
@@ -127,7 +127,7 @@ def main() -> None:
             "validation NDCG@10": [r["validation"]["best"]["NDCG@10"] for r in runs],
             "train_s": [r["timings"]["train_s"] + r["timings"]["stage1_s"] for r in runs],
         }
-    (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_result(args.out / "summary.json", summary)
     lines = ["| method | test HR@1 | test NDCG@10 | test MRR | full-catalog NDCG@10 | val NDCG@10 |", "|---|---|---|---|---|---|"]
     for name, row in summary.items():
         cells = [mean_std(row[f"{g}/{m}"]) for g, m in COLUMNS] + [mean_std(row["validation NDCG@10"])]

@@ -20,10 +20,15 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 import time
 from pathlib import Path
 
 import torch
+
+if __package__ in (None, ""):  # run as a file (python benchmarks/gpu_stage_one.py): the repository root, for `benchmarks.`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import write_result  # noqa: E402
 
 
 def main() -> None:
@@ -93,7 +98,7 @@ def main() -> None:
                     seconds = time.perf_counter() - start
                 result["runs"].append({"positions": positions, "mode": mode, "repeat": repeat,
                                        "examples_per_s": args.examples / seconds, "wall_s": time.perf_counter() - start})
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.json, result)
     print(json.dumps(result, indent=2))
 
 

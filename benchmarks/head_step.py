@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +27,10 @@ from c2kd.data.examples import load_examples
 from c2kd.sasrec.train import load_item_embeddings
 from c2kd.recmodel.build import build_model
 from c2kd.recmodel.prompts import PromptEncoder, answer_mask, collate, encode_frame
+
+if __package__ in (None, ""):  # run as a file (python benchmarks/head_step.py): the repository root, for `benchmarks.`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import write_result  # noqa: E402
 
 FAMILIES = {"smollm2": ("smollm2-135m", "first:3"), "gemma": ("gemma3-270m", "first:2")}
 
@@ -93,7 +98,7 @@ def main() -> None:
     torch.set_num_threads(1)
     out = {name: measure(*FAMILIES[name], args.data, args.sasrec, args.steps, args.blocks) for name in args.families}
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(out, indent=2) + "\n")
+    write_result(args.json, out)
     print(json.dumps(out, indent=2))
 
 

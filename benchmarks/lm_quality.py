@@ -37,6 +37,10 @@ from dataclasses import asdict
 from multiprocessing import get_context
 from pathlib import Path
 
+if __package__ in (None, ""):  # run as a file (python benchmarks/lm_quality.py): the repository root, for `benchmarks.`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import write_result  # noqa: E402
+
 DEFAULT_DATA = Path("runs/data/ml100k-c5")
 METRICS = [("candidates", "HR@1"), ("candidates", "NDCG@10"), ("candidates", "MRR"), ("full_catalog", "NDCG@10")]
 LLARA_METRICS = [("generation", "ValidRatio"), ("generation", "HR@1_valid"), ("generation", "HR@1"),
@@ -350,7 +354,7 @@ def main(argv: list[str] | None = None) -> dict:
         "wall_s": round(time.perf_counter() - started, 1),
         "python": sys.version.split()[0],
     }
-    _write_json(out / "results.json", results)
+    write_result(out / "results.json", results)
     (out / "results.md").write_text(markdown(results))
     print(markdown(results))
     print(f"written {out / 'results.json'} and {out / 'results.md'}")

@@ -26,6 +26,10 @@ from pathlib import Path
 
 import torch
 
+if __package__ in (None, ""):  # run as a file (python benchmarks/remote_read.py): the repository root, for `benchmarks.`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import write_result  # noqa: E402
+
 
 class CountingHandler(http.server.SimpleHTTPRequestHandler):
     """Serves a folder; counts the bytes of every response body; answers Range requests when asked."""
@@ -127,7 +131,7 @@ def main() -> None:
     print(json.dumps(result, indent=2))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        write_result(args.json, result)
 
 
 if __name__ == "__main__":

@@ -10,18 +10,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import sys
 from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file (python benchmarks/report.py): the repository root, for `benchmarks.`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import mean_std  # noqa: E402
 
 
 def _load(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
-
-
-def _ms(values: list[float]) -> str:
-    if len(values) == 1:
-        return f"{values[0]:.3f}"
-    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
 
 
 def machine_section(suite: dict) -> list[str]:
@@ -56,7 +54,7 @@ def quality_section(out: Path) -> list[str]:
         lines.append(f"| teacher (seed 0) | {t['candidates']['HR@1']:.3f} | {t['candidates']['NDCG@10']:.3f} | "
                      f"{t['candidates']['MRR']:.3f} | {t['full_catalog']['NDCG@10']:.3f} |")
     for name, row in summary.items():
-        cells = [_ms(row[k]) for k in ("candidates/HR@1", "candidates/NDCG@10", "candidates/MRR", "full_catalog/NDCG@10")]
+        cells = [mean_std(row[k]) for k in ("candidates/HR@1", "candidates/NDCG@10", "candidates/MRR", "full_catalog/NDCG@10")]
         lines.append(f"| student: {name} | " + " | ".join(cells) + " |")
     lines += ["", "![quality](distill_quality/summary.png)", "",
               "Router layer choices and loss curves of the C2KD student, seed 0:", "",

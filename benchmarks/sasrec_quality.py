@@ -11,7 +11,6 @@ excluded) and the training time of each seed. std is the sample standard deviati
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -21,6 +20,10 @@ from pathlib import Path
 import torch
 
 from c2kd.sasrec.train import SASRecTrainConfig, train_sasrec
+
+if __package__ in (None, ""):  # run as a file (python benchmarks/sasrec_quality.py): the repository root, for `benchmarks.`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import write_result  # noqa: E402
 
 COLUMNS = [("candidates", "HR@1"), ("candidates", "NDCG@10"), ("candidates", "MRR"), ("full_catalog", "NDCG@10")]
 
@@ -70,7 +73,7 @@ def main() -> None:
     for key, s in summary.items():
         print(f"  {key:<22} {s['mean']:.4f} ± {s['std']:.4f}")
     if args.json:
-        args.json.write_text(json.dumps({"runs": runs, "summary": summary}, indent=2) + "\n")
+        write_result(args.json, {"runs": runs, "summary": summary})
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import argparse
 import importlib.util
 import json
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import replace
@@ -37,12 +38,17 @@ import numpy as np
 import torch
 
 from c2kd.cache_schema import CacheSpec, CacheWriter, ExampleRecord, TeacherCache, cache_info, plan_shards
+from c2kd.cache_schema import schema as S
 from c2kd.pipeline.cache_teacher import CacheTeacherSettings, TeacherRunner, build_spec, rows_by_id, teacher_config, write_shards
 from c2kd.data.examples import ExampleSet, load_examples
-from c2kd.pipeline.shard_writers import start_shard_writer
+from c2kd.pipeline.shard_writers import start_shard_writer, to_records
 from c2kd.recmodel.model import RecLM
 from c2kd.recmodel.prompts import PromptEncoder, collate
 from c2kd.recmodel.tokenizer import build_word_tokenizer
+
+if __package__ in (None, ""):  # run as a file (python benchmarks/stage_one.py): the repository root, for `benchmarks.`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import write_result  # noqa: E402
 
 MODES = [  # (positions, logits, dtype, compression)
     ("all", "exact", "bfloat16", "zstd"),
@@ -81,14 +87,15 @@ def active_splits(examples: ExampleSet) -> tuple[str, ...]:
 def derive(rec: ExampleRecord, spec: CacheSpec) -> ExampleRecord:
     """A record of `spec`'s mode from a rich one (all positions, full float32 logits)."""
     ans = torch.as_tensor(rec.answers, dtype=torch.long)
-    policy = spec.logits_policy
-    hidden = {layer: (h if spec.positions == "all" else h[ans]) for layer, h in rec.hidden.items()}
-    top = rec.full_logits.float().topk(policy.k, dim=-1) if policy.kind == "topk" else None
-    return replace(
-        rec, hidden=hidden,
-        topk_values=top.values if top else None, topk_indices=top.indices if top else None,
-        full_logits=rec.full_logits if policy.kind == "full" else None,
-    )
+    policy, full = spec.logits, rec.outputs[S.FULL_LOGITS]
+    outputs = {name: x[ans] if spec.positions == "answer" and S.hidden_layer(name) is not None else x
+               for name, x in rec.outputs.items() if name != S.FULL_LOGITS}
+    if policy.kind == "topk":
+        top = full.float().topk(policy.k, dim=-1)
+        outputs[S.TOPK_VALUES], outputs[S.TOPK_INDICES] = top.values, top.indices
+    elif policy.kind == "full":
+        outputs[S.FULL_LOGITS] = full
+    return replace(rec, outputs=outputs)
 
 
 def time_bare(runner: TeacherRunner, plan, rows) -> tuple[float, float]:
@@ -178,7 +185,8 @@ def bench_teacher(name: str, teacher_dir: Path, examples: ExampleSet, work: Path
         writers[mode] = CacheWriter(root, mode_spec)
         writers[mode].write_assets(model.tokenizer, model.effective_head_weight(), model.item_embeddings, teacher_config(model))
     for shard in plan.shards:
-        rich = runner.records(shard, [rows[i] for i in shard.example_ids])
+        shard_rows = [rows[i] for i in shard.example_ids]
+        rich = to_records(runner.shard_outputs(shard_rows), shard.split, shard_rows, rich_spec)
         for mode, writer in writers.items():
             writer.write_shard(shard.shard_id, [derive(r, writer.spec) for r in rich])
     sizes = {}
@@ -332,7 +340,7 @@ def main() -> None:
         results_meta = {"threads": args.threads, "data": str(args.data), "results": results}
         print(json.dumps(results_meta, indent=2))
         if args.json:
-            args.json.write_text(json.dumps(results_meta, indent=2) + "\n")
+            write_result(args.json, results_meta)
         print()
         print(markdown(results))
     finally:

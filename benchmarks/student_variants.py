@@ -30,8 +30,11 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from real_llm import FAMILIES, METHODS, Bench, by_metric, flat_metrics, goals, markdown, student_test_metrics  # noqa: E402
+if __package__ in (None, ""):  # run as a file (python benchmarks/student_variants.py): the repository root, for `benchmarks.`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import write_result  # noqa: E402
+from benchmarks.real_llm import FAMILIES, METHODS, Bench, by_metric, flat_metrics, goals, markdown, student_test_metrics  # noqa: E402
+
 
 RECORDED = Path(__file__).parent / "results" / "real_llm_summary.json"  # the default --summary
 METRIC = ("candidates", "HR@1")
@@ -117,7 +120,7 @@ def main() -> None:
     print(f"The benchmark's table with the variant's students ({args.variant}: {' '.join(flags)}) in place of its own:")
     print(markdown({"sasrec": recorded["sasrec"], "families": {args.family: {"rows": rows, "goals": result["goals"]}}}))
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.json, result)
 
 
 if __name__ == "__main__":

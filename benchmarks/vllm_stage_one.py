@@ -16,12 +16,16 @@ writer's overhead (cache-teacher ÷ the bare vLLM forward of the same batches).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import torch
+
+if __package__ in (None, ""):  # run as a file (python benchmarks/vllm_stage_one.py): the repository root, for `benchmarks.`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import write_result  # noqa: E402
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
@@ -126,7 +130,7 @@ def main() -> None:
             for v in VARIANTS if v != "transformers"}
         print(name, result["speed"][name], flush=True)
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.json, result)
 
 
 if __name__ == "__main__":
