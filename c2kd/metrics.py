@@ -16,6 +16,7 @@ import torch
 
 CANDIDATE_HR_AT = (1, 5, 10)
 CANDIDATE_NDCG_AT = (5, 10)
+FULL_CATALOG_AT = (10,)
 
 
 def _clean_scores(scores: torch.Tensor) -> torch.Tensor:
@@ -27,15 +28,34 @@ def _clean_scores(scores: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(scores), torch.full_like(scores, -math.inf), scores)
 
 
-def ranking_metrics(ranks: torch.Tensor, hr_at: Sequence[int], ndcg_at: Sequence[int], mrr: bool) -> dict[str, float]:
-    """Means over the batch of HR@k = [rank <= k], NDCG@k = [rank <= k] / log2(rank + 1), MRR = 1/rank."""
-    ranks = ranks.double()
-    out = {f"HR@{k}": float((ranks <= k).double().mean()) for k in hr_at}
+def per_example_gains(
+    ranks: torch.Tensor, hr_at: Sequence[int], ndcg_at: Sequence[int], mrr: bool
+) -> dict[str, torch.Tensor]:
+    """Per example (float64 [B]): HR@k = [rank <= k], NDCG@k = [rank <= k] / log2(rank + 1), MRR = 1/rank.
+
+    `ranking_metrics` is their mean, so per-example results always agree with the aggregates."""
+    ranks = torch.as_tensor(ranks).double()
+    out = {f"HR@{k}": (ranks <= k).double() for k in hr_at}
     gain = 1.0 / torch.log2(ranks + 1.0)
-    out |= {f"NDCG@{k}": float(torch.where(ranks <= k, gain, torch.zeros_like(gain)).mean()) for k in ndcg_at}
+    out |= {f"NDCG@{k}": torch.where(ranks <= k, gain, torch.zeros_like(gain)) for k in ndcg_at}
     if mrr:
-        out["MRR"] = float((1.0 / ranks).mean())
+        out["MRR"] = 1.0 / ranks
     return out
+
+
+def ranking_metrics(ranks: torch.Tensor, hr_at: Sequence[int], ndcg_at: Sequence[int], mrr: bool) -> dict[str, float]:
+    """Means over the batch of the per-example gains (`per_example_gains`)."""
+    return {name: float(values.mean()) for name, values in per_example_gains(ranks, hr_at, ndcg_at, mrr).items()}
+
+
+def candidate_rank_metrics(ranks: torch.Tensor) -> dict[str, float]:
+    """`candidate_metrics` from already computed candidate ranks."""
+    return ranking_metrics(ranks, CANDIDATE_HR_AT, CANDIDATE_NDCG_AT, mrr=True)
+
+
+def full_catalog_rank_metrics(ranks: torch.Tensor) -> dict[str, float]:
+    """`full_catalog_metrics` from already computed full-catalog ranks."""
+    return ranking_metrics(ranks, FULL_CATALOG_AT, FULL_CATALOG_AT, mrr=False)
 
 
 def candidate_ranks(scores: torch.Tensor, target_index: torch.Tensor) -> torch.Tensor:
@@ -57,7 +77,7 @@ def candidate_metrics(scores: torch.Tensor, target_index: torch.Tensor) -> dict[
     `scores` [B, C] (higher = better), `target_index` [B] = position of the target in the row.
     Tie rule: pessimistic (module docstring). Nothing is excluded: every candidate competes.
     """
-    return ranking_metrics(candidate_ranks(scores, target_index), CANDIDATE_HR_AT, CANDIDATE_NDCG_AT, mrr=True)
+    return candidate_rank_metrics(candidate_ranks(scores, target_index))
 
 
 def full_catalog_ranks(
@@ -104,7 +124,7 @@ def full_catalog_metrics(
     the padding item 0 and every item in the row's history are removed from the ranking (they
     are known positives, not predictions); the target is never removed. Ties: pessimistic.
     """
-    return ranking_metrics(full_catalog_ranks(scores, targets, histories), (10,), (10,), mrr=False)
+    return full_catalog_rank_metrics(full_catalog_ranks(scores, targets, histories))
 
 
 # --------------------------------------------------------------------------- generation

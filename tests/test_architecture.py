@@ -19,8 +19,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("c2kd", "errors", "hardware"),                     # leaves
     ("atomic", "distributed", "cli_util"),              # files, processes, option parsing
     ("metrics", "training", "run_folder"),              # the training loop and its run folder
-    ("cache_schema", "data", "recmodel"),               # the cache format, the examples, the LM
-    ("sasrec", "evaluate"),                             # the baseline; evaluation of any model
+    ("cache_schema", "data", "recmodel", "predictions"),  # the cache format, the examples, the LM, per-example results
+    ("sasrec", "evaluate", "compare"),                  # the baseline; evaluation of any model; paired comparison
     ("finetune", "pipeline", "student", "deploy", "latency"),  # train-teacher, stage one, stage two, export
     ("demo",),
     ("cli",),
