@@ -26,7 +26,7 @@ time.sleep(60)
 def test_a_step_cut_short_keeps_its_seconds_in_the_next_run(tmp_path, monkeypatch):
     path = tmp_path / "timings.json"
     run = subprocess.Popen([sys.executable, "-c", KILLED_RUN, str(path)], stdout=subprocess.PIPE, text=True,
-                           cwd=Path(__file__).parents[1])
+                           cwd=Path(__file__).parents[2])  # the repository root
     assert run.stdout.readline().strip() == "started"
     deadline = time.monotonic() + 60
     while json.loads(path.read_text()).get("running", {}).get("cut short", 0) < 0.3:  # a heartbeat or more
