@@ -135,7 +135,9 @@ def evaluate_cmd(
     model: Path = typer.Option(..., "--model", help="Run folder of a trained model (SASRec or recommender LM)."),
     data: Path = typer.Option(..., "--data", help="Prepared examples folder the model was trained on."),
     split: str = typer.Option("test", help="Split to evaluate: train, validation or test."),
-    out: Path | None = typer.Option(None, "--out", help="Also write the metrics to this JSON file."),
+    out: Path | None = typer.Option(
+        None, "--out", help="Also write the metrics to this JSON file, and the per-example results beside it "
+        "(metrics.json -> predictions.parquet, NAME.json -> NAME.predictions.parquet)."),
 ) -> None:
     """Evaluate a trained model on one split: ranking of the 20 candidates (and more per model)."""
     with reporting_errors():
@@ -148,25 +150,28 @@ def evaluate_cmd(
                 raise C2KDError(f"--out {out}: is a folder; give the path of a JSON file to write")
         kind = read_run_config(model)["kind"]
         if kind == "sasrec":
-            from c2kd.sasrec.train import evaluate_sasrec
+            from c2kd.sasrec.train import evaluate_sasrec_with_predictions
 
-            result = evaluate_sasrec(model, data, split)
+            result, rows = evaluate_sasrec_with_predictions(model, data, split)
         elif kind == "reclm":
-            result = _evaluate_reclm(model, data, split)
+            result, rows = _evaluate_reclm(model, data, split)
         else:
             raise C2KDError(f"{model}/config.json: unknown model kind {kind!r}; expected 'sasrec' or 'reclm'")
         if out is not None:
+            from c2kd.predictions import predictions_path, write_predictions
+
             write_json(out, result)
+            write_predictions(predictions_path(out), rows)
     _print_metrics({split: result})
     if out is not None:
-        typer.echo(f"metrics written to {out}")
+        typer.echo(f"metrics written to {out}, per-example results to {predictions_path(out)}")
 
 
-def _evaluate_reclm(model: Path, data: Path, split: str) -> dict:
+def _evaluate_reclm(model: Path, data: Path, split: str) -> tuple[dict, object]:  # metrics, per-example rows
     # ranking of the candidates, and the generation protocol for llara
-    from c2kd.evaluate import evaluate_reclm
+    from c2kd.evaluate import evaluate_reclm_with_predictions
 
-    return evaluate_reclm(model, data, split)
+    return evaluate_reclm_with_predictions(model, data, split)
 
 
 def _print_metrics(results: dict[str, dict]) -> None:

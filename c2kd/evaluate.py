@@ -24,12 +24,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import polars as pl
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from c2kd.errors import C2KDError
-from c2kd.metrics import candidate_metrics, first_line, full_catalog_metrics, generation_metrics
+from c2kd.metrics import (candidate_rank_metrics, candidate_ranks, first_line, full_catalog_rank_metrics,
+                          full_catalog_ranks, generation_metrics)
 from c2kd.data.examples import ExampleSet, load_examples, target_indices
+from c2kd.predictions import prediction_rows
 from c2kd.recmodel.model import RecLM
 from c2kd.recmodel.prompts import EncodedExample, PromptEncoder
 
@@ -239,6 +242,7 @@ class RecLMEvaluator:
 
     Calling it returns a flat dict (candidate metrics under their own names, e.g. "NDCG@10";
     "full_catalog/..." and "generation/..." for the others), as the trainer's `evaluate_fn` wants.
+    `evaluate_with_predictions` also returns one row per example (`c2kd.predictions`).
     """
 
     def __init__(
@@ -277,6 +281,10 @@ class RecLMEvaluator:
 
     def evaluate(self, model: RecLM) -> dict:
         """Nested result: {"candidates": {...}, "full_catalog": {...} (ids), "generation": {...} (llara)}."""
+        return self.evaluate_with_predictions(model)[0]
+
+    def evaluate_with_predictions(self, model: RecLM) -> tuple[dict, pl.DataFrame]:
+        """`evaluate`'s result and the per-example rows it is the mean of (`c2kd.predictions.COLUMNS`)."""
         _check_model_fits(model, self.examples)
         encoder, prompts = self._prompts(model)
         fmt = model.spec.format
@@ -307,18 +315,21 @@ class RecLMEvaluator:
             "format": fmt,
             "split": self.split,
             "examples": len(prompts),
-            "candidates": candidate_metrics(torch.cat(cand_scores), self.target_index),
         }
+        ranks = candidate_ranks(torch.cat(cand_scores), self.target_index)
+        result["candidates"] = candidate_rank_metrics(ranks)
+        catalog_ranks = None
         if full_scores:
             histories = self.frame["history"].to_list()
-            result["full_catalog"] = full_catalog_metrics(torch.cat(full_scores), self.targets, histories)
+            catalog_ranks = full_catalog_ranks(torch.cat(full_scores), self.targets, histories)
+            result["full_catalog"] = full_catalog_rank_metrics(catalog_ranks)
         if generate:
             titles = [[encoder.title_text(int(c)) for c in row] for row in self.candidates.tolist()]
             target_titles = [encoder.title_text(int(t)) for t in self.targets.tolist()]
             result["generation"] = generation_metrics(answers, titles, target_titles)
             if self.keep_answers:
                 result["answers"] = answers
-        return result
+        return result, prediction_rows(self.frame, self.split, ranks, catalog_ranks)
 
     def __call__(self, model: RecLM) -> dict[str, float]:
         return flatten_metrics(self.evaluate(model))
@@ -356,6 +367,22 @@ def evaluate_reclm(
     keep_answers: bool = False,
 ) -> dict:
     """Metrics of a recommender LM (a model or a saved folder) on one split of a prepared folder."""
+    return evaluate_reclm_with_predictions(model, examples, split, limit, batch_size, generation, device, progress,
+                                           keep_answers)[0]
+
+
+def evaluate_reclm_with_predictions(
+    model: RecLM | str | os.PathLike,
+    examples: ExampleSet | str | os.PathLike,
+    split: str = "test",
+    limit: int | None = None,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    generation: bool = True,
+    device: str | torch.device | None = None,
+    progress: bool = True,
+    keep_answers: bool = False,
+) -> tuple[dict, pl.DataFrame]:
+    """`evaluate_reclm`'s metrics and the per-example rows they are the means of."""
     data = examples if isinstance(examples, ExampleSet) else load_examples(examples)
     if not isinstance(model, RecLM):
         model = RecLM.load(Path(model), device=device)
@@ -364,4 +391,4 @@ def evaluate_reclm(
     evaluator = RecLMEvaluator(
         data, split, limit=limit, batch_size=batch_size, generation=generation, progress=progress, keep_answers=keep_answers
     )
-    return evaluator.evaluate(model)
+    return evaluator.evaluate_with_predictions(model)

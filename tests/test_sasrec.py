@@ -19,9 +19,11 @@ from c2kd.cli import app
 from c2kd.errors import C2KDError
 from c2kd.data.examples import load_examples
 from c2kd.data.prepare import prepare
+from c2kd.predictions import read_predictions
 from c2kd.sasrec.train import (
     SASRecTrainConfig,
     evaluate_sasrec,
+    evaluate_sasrec_with_predictions,
     fit,
     load_item_embeddings,
     load_sasrec,
@@ -131,7 +133,7 @@ def test_fit_does_not_disturb_callers_random_state(tiny_examples_dir):
 def test_run_folder_and_item_embeddings(tiny_run, tiny_examples_dir):
     ex = load_examples(tiny_examples_dir)
     assert sorted(p.name for p in tiny_run.iterdir()) == [
-        "config.json", "item_embeddings.safetensors", "metrics.json", "model.safetensors"
+        "config.json", "item_embeddings.safetensors", "metrics.json", "model.safetensors", "predictions.parquet"
     ]
     config = json.loads((tiny_run / "config.json").read_text())
     assert config["kind"] == "sasrec" and config["data_fingerprint"] == ex.fingerprint
@@ -162,6 +164,32 @@ def test_evaluate_matches_training_metrics(tiny_run, tiny_examples_dir):
         assert result["examples"] == metrics[split]["examples"]
         assert result["candidates"] == pytest.approx(metrics[split]["candidates"])
         assert result["full_catalog"] == pytest.approx(metrics[split]["full_catalog"])
+
+
+def assert_rows_match_metrics(rows: pl.DataFrame, metrics: dict, frame: pl.DataFrame) -> None:
+    """Per-example rows of one split: the split's examples, in order, whose means are the metrics."""
+    assert rows["example_id"].to_list() == frame["example_id"].to_list()
+    assert rows["user"].to_list() == frame["user"].to_list()
+    assert rows["target"].to_list() == frame["target"].to_list()
+    assert rows.height == metrics["examples"]
+    assert rows["hit@1"].mean() == pytest.approx(metrics["candidates"]["HR@1"], abs=1e-12)
+    assert rows["hit@10"].mean() == pytest.approx(metrics["candidates"]["HR@10"], abs=1e-12)
+    assert rows["ndcg@10"].mean() == pytest.approx(metrics["candidates"]["NDCG@10"], abs=1e-12)
+    assert (1 / rows["rank"]).mean() == pytest.approx(metrics["candidates"]["MRR"], abs=1e-12)
+    assert (rows["catalog_rank"] <= 10).mean() == pytest.approx(metrics["full_catalog"]["HR@10"], abs=1e-12)
+
+
+def test_run_folder_predictions_are_the_metrics_per_example(tiny_run, tiny_examples_dir):
+    metrics = json.loads((tiny_run / "metrics.json").read_text())
+    rows = read_predictions(tiny_run)
+    ex = load_examples(tiny_examples_dir)
+    assert rows["split"].unique(maintain_order=True).to_list() == ["validation", "test"]
+    for split in ("validation", "test"):
+        assert_rows_match_metrics(rows.filter(pl.col("split") == split), metrics[split], ex.split(split))
+    # evaluating the run again gives the same rows, and the same metrics as without rows
+    result, again = evaluate_sasrec_with_predictions(tiny_run, tiny_examples_dir, "test")
+    assert again.equals(rows.filter(pl.col("split") == "test"))
+    assert result == evaluate_sasrec(tiny_run, tiny_examples_dir, "test")
 
 
 def test_refuses_model_trained_on_other_data(tiny_run, tiny_examples_dir, tmp_path):
@@ -206,6 +234,9 @@ def test_cli_train_then_evaluate_round_trip(tiny_examples_dir, tmp_path):
     expected = json.loads((run / "metrics.json").read_text())["test"]
     assert written["split"] == "test" and written["kind"] == "sasrec"
     assert written["candidates"] == pytest.approx(expected["candidates"])
+    assert (run / "predictions.parquet").is_file()
+    rows = read_predictions(tmp_path / "eval" / "test.predictions.parquet")
+    assert_rows_match_metrics(rows, written, load_examples(tiny_examples_dir).split("test"))
 
 
 def test_cli_reports_bad_inputs_in_one_line(tiny_examples_dir, tmp_path):

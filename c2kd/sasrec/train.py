@@ -12,6 +12,8 @@ Run folder written by `train_sasrec` (atomically: a temporary sibling folder ren
     model.safetensors          the selected model's weights
     item_embeddings.safetensors  "item_embeddings": float32 [num_items + 1, hidden], row 0 = padding
     metrics.json               validation and test metrics of the selected model, training log
+    predictions.parquet        the selected model's per-example results on validation and test
+                               (c2kd.predictions)
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ from safetensors.torch import load_file, save_file
 
 from c2kd.atomic import check_destination, staged_dir, write_json
 from c2kd.errors import C2KDError
-from c2kd.metrics import candidate_metrics, full_catalog_metrics
+from c2kd.metrics import candidate_rank_metrics, candidate_ranks, full_catalog_rank_metrics, full_catalog_ranks
 from c2kd.data.examples import MAX_HISTORY, ExampleSet, load_examples, target_indices
+from c2kd.predictions import PREDICTIONS_FILE, prediction_rows, write_predictions
 from c2kd.sasrec.model import SASRec, SASRecSpec
 
 RUN_KIND = "sasrec"
@@ -124,17 +127,30 @@ def catalog_scores(model: SASRec, seq: torch.Tensor, batch_size: int = 1024) -> 
     return out
 
 
-def evaluate_split(model: SASRec, data: SplitTensors) -> dict:
-    """Ranking metrics over the 20 stored candidates and over the full catalog."""
+def split_ranks(model: SASRec, data: SplitTensors) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's rank [B] among the 20 stored candidates and among the full catalog."""
     if len(data) == 0:
         raise C2KDError("no examples to evaluate (empty split)")
     scores = catalog_scores(model, data.seq)
-    cand_scores = scores.gather(1, data.candidates)
+    return candidate_ranks(scores.gather(1, data.candidates), data.target_index), full_catalog_ranks(scores, data.target, data.seq)
+
+
+def evaluate_split(model: SASRec, data: SplitTensors) -> dict:
+    """Ranking metrics over the 20 stored candidates and over the full catalog."""
+    ranks, catalog = split_ranks(model, data)
     return {
         "examples": len(data),
-        "candidates": candidate_metrics(cand_scores, data.target_index),
-        "full_catalog": full_catalog_metrics(scores, data.target, data.seq),
+        "candidates": candidate_rank_metrics(ranks),
+        "full_catalog": full_catalog_rank_metrics(catalog),
     }
+
+
+def evaluate_frame(model: SASRec, frame: pl.DataFrame, split: str) -> tuple[dict, pl.DataFrame]:
+    """`evaluate_split` of a split's examples and the per-example rows it is the mean of."""
+    ranks, catalog = split_ranks(model, SplitTensors.from_frame(frame))
+    metrics = {"examples": frame.height, "candidates": candidate_rank_metrics(ranks),
+               "full_catalog": full_catalog_rank_metrics(catalog)}
+    return metrics, prediction_rows(frame, split, ranks, catalog)
 
 
 # --------------------------------------------------------------------------- training
@@ -236,7 +252,9 @@ def train_sasrec(
     with _progress(progress, config.epochs) as on_epoch:
         result = fit(examples.num_items, examples.split("train"), examples.split("validation"), config, on_epoch)
     # The model is chosen; only now is the test split read.
-    test = evaluate_split(result.model, SplitTensors.from_frame(examples.split("test")))
+    test, test_rows = evaluate_frame(result.model, examples.split("test"), "test")
+    # the selected model again on validation: the per-example rows of the metrics recorded during fit
+    _, validation_rows = evaluate_frame(result.model, examples.split("validation"), "validation")
 
     metrics = {
         "kind": RUN_KIND,
@@ -264,6 +282,7 @@ def train_sasrec(
         emb = result.model.item_emb.weight.detach().to(torch.float32).contiguous().clone()
         save_file({EMBEDDINGS_KEY: emb}, str(tmp / EMBEDDINGS_FILE))
         write_json(tmp / "metrics.json", metrics)
+        write_predictions(tmp / PREDICTIONS_FILE, [validation_rows, test_rows])
         write_json(tmp / "config.json", run_config)
     return metrics
 
@@ -363,7 +382,15 @@ def load_item_embeddings(run_dir: str | Path) -> torch.Tensor:
 
 def evaluate_sasrec(run_dir: str | Path, data: str | Path | ExampleSet, split: str = "test") -> dict:
     """Metrics of a trained SASRec run on one split of its prepared folder."""
+    return evaluate_sasrec_with_predictions(run_dir, data, split)[0]
+
+
+def evaluate_sasrec_with_predictions(
+    run_dir: str | Path, data: str | Path | ExampleSet, split: str = "test"
+) -> tuple[dict, pl.DataFrame]:
+    """`evaluate_sasrec`'s metrics and the per-example rows they are the means of (`c2kd.predictions`)."""
     examples = data if isinstance(data, ExampleSet) else load_examples(data, verify=True)
     check_fingerprint(_sasrec_config(Path(run_dir)), examples, run_dir)  # before loading any weights
     model, _ = load_sasrec(run_dir)
-    return {"kind": RUN_KIND, "split": split, **evaluate_split(model, SplitTensors.from_frame(examples.split(split)))}
+    metrics, rows = evaluate_frame(model, examples.split(split), split)
+    return {"kind": RUN_KIND, "split": split, **metrics}, rows
