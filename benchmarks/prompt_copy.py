@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -22,6 +23,10 @@ from c2kd.data.examples import load_examples
 from c2kd.recmodel.model import RecLM
 from c2kd.recmodel.prompts import PromptEncoder
 
+if __package__ in (None, ""):  # run as a file (python benchmarks/prompt_copy.py): the repository root, for `benchmarks.`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import write_result  # noqa: E402
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -29,6 +34,7 @@ def main() -> None:
     parser.add_argument("--data", type=Path, required=True)
     parser.add_argument("--split", default="test")
     parser.add_argument("--limit", type=int, default=200, help="the first N examples of the split")
+    parser.add_argument("--json", type=Path, help="also write the result here (with its provenance)")
     args = parser.parse_args()
     examples = load_examples(args.data)
     frame = examples.split(args.split).head(args.limit)
@@ -51,6 +57,8 @@ def main() -> None:
     result = {"model": str(args.model), "split": args.split, "examples": len(rows),
               "top10_share_in_prompt": copied / (10 * len(rows)), "chance": len(rows[0][2]) / encoder.num_items}
     print(json.dumps(result, indent=2))
+    if args.json:
+        write_result(args.json, result)
 
 
 if __name__ == "__main__":
