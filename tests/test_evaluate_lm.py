@@ -16,7 +16,9 @@ from c2kd.data.examples import load_examples, target_indices
 from c2kd.recmodel.model import RecLM
 from c2kd.recmodel.prompts import PromptEncoder, collate, encode_frame
 from c2kd.recmodel.tokenizer import build_word_tokenizer
-from c2kd.evaluate import evaluate_reclm, generate_answers, left_pad, rank_scores, RecLMEvaluator
+from c2kd.evaluate import (evaluate_reclm, evaluate_reclm_with_predictions, generate_answers, left_pad, rank_scores,
+                           RecLMEvaluator)
+from c2kd.predictions import read_predictions
 
 NUM_ITEMS = 30
 WORDS = ["red", "blue", "green", "night", "day", "city", "river", "star", "king", "dream"]
@@ -209,6 +211,25 @@ def test_metrics_come_from_the_scores(examples, tokenizer, item_embeddings, fmt)
         assert got["answers"] == [tokenizer.decode(ids, skip_special_tokens=True) for ids in generated]
 
 
+@pytest.mark.parametrize("fmt", ["ids", "llara"])
+def test_per_example_rows_are_the_metrics_per_example(examples, tokenizer, item_embeddings, fmt):
+    model = _model(tokenizer, item_embeddings, fmt, seed=7)
+    frame = examples.split("validation")
+    result, rows = evaluate_reclm_with_predictions(model, examples, "validation", batch_size=5, progress=False)
+    assert result == evaluate_reclm(model, examples, "validation", batch_size=5, progress=False)
+    assert rows["example_id"].to_list() == frame["example_id"].to_list()
+    assert rows["user"].to_list() == frame["user"].to_list() and set(rows["split"]) == {"validation"}
+    cand = result["candidates"]
+    assert rows["hit@1"].mean() == pytest.approx(cand["HR@1"], abs=1e-12)
+    assert rows["hit@10"].mean() == pytest.approx(cand["HR@10"], abs=1e-12)
+    assert rows["ndcg@10"].mean() == pytest.approx(cand["NDCG@10"], abs=1e-12)
+    assert (1 / rows["rank"]).mean() == pytest.approx(cand["MRR"], abs=1e-12)
+    if fmt == "ids":
+        assert (rows["catalog_rank"] <= 10).mean() == pytest.approx(result["full_catalog"]["HR@10"], abs=1e-12)
+    else:
+        assert rows["catalog_rank"].null_count() == frame.height
+
+
 def test_evaluate_saved_model_from_folders(examples, tokenizer, item_embeddings, tmp_path):
     model = _model(tokenizer, item_embeddings, "llara", seed=8)
     model.save(tmp_path / "m")
@@ -245,6 +266,8 @@ def test_cli_evaluates_a_reclm_folder(tiny_examples_dir, tmp_path):
         assert metrics["kind"] == "reclm" and metrics["examples"] == data.split("test").height
         assert ("full_catalog" in metrics) == (fmt == "ids") and ("generation" in metrics) == (fmt == "llara")
         assert metrics["candidates"] == evaluate_reclm(tmp_path / fmt, data, "test", progress=False)["candidates"]
+        rows = read_predictions(tmp_path / f"{fmt}.predictions.parquet")
+        assert rows.height == metrics["examples"] and rows["hit@1"].mean() == pytest.approx(metrics["candidates"]["HR@1"])
     # a model trained on other data is refused with one clear line
     RecLM.from_preset("micro", tok, emb, "ids", data_fingerprint="other").save(tmp_path / "other")
     result = CliRunner().invoke(app, ["evaluate", "--model", str(tmp_path / "other"), "--data", str(tiny_examples_dir)])
