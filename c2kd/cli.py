@@ -645,7 +645,7 @@ def demo_command(
                                         "validation (the table's test metrics stay float32). Default: on where the CPU "
                                         "has native bf16 (AMX or AVX512-BF16)."),
 ) -> None:
-    """The whole pipeline on MovieLens-100k with small presets (about five CPU minutes), ending in a comparison table."""
+    """The whole pipeline on MovieLens-100k with small presets (minutes on a CPU), ending in a comparison table."""
     from c2kd.demo import DemoSettings, run_demo
 
     given = {"teacher_epochs": teacher_epochs, "student_epochs": student_epochs, "max_train_per_user": max_train_per_user,

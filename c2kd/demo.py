@@ -1,4 +1,4 @@
-"""`c2kd demo`: the whole pipeline on MovieLens-100k, small, in about five CPU minutes.
+"""`c2kd demo`: the whole pipeline on MovieLens-100k, small, in minutes on a CPU (timings: docs/RESULTS.md).
 
 prepare → SASRec → teacher (pretrained SmolLM2 layers, `ids`, hybrid item head) → teacher cache →
 a student trained alone from the cache (SFT) and a C2KD student (with the own-head logit term,
@@ -39,34 +39,31 @@ console = Console()
 
 @dataclass(frozen=True)
 class DemoSettings:
-    """Sizes of the demo run; the defaults fit in about five minutes on two CPU cores."""
+    """Sizes of the demo run; the defaults were chosen to fit in a few minutes on two CPU cores."""
 
     seed: int = 0
     max_train_per_user: int = 3  # train windows per user (the most recent ones)
     sasrec_epochs: int = 20  # its best validation state at 30 epochs was epoch 20's
-    # SmolLM2-135M whole: on 640 examples (20 steps) it reached validation NDCG@10 0.585 where its
-    # first 12 layers reached 0.494 on 1,280 and a 2-layer student 0.487 (first 200 validation users);
-    # 512 examples (16 steps) keep the demo within five minutes on a CPU without AMX
+    # SmolLM2-135M whole, on 512 examples (16 steps): on validation the whole model beat a shallower
+    # teacher trained on more examples, and 512 examples keep the demo short on a CPU without AMX
     teacher: str = "smollm2-135m"
     teacher_shrink: str | None = None
     teacher_epochs: int = 1
     teacher_lr: float = 1e-4
     teacher_max_train: int | None = 512
-    # train-teacher --sasrec-kd: SASRec's catalog distribution distilled into the teacher. Over 3 demo
-    # seeds 4.0 lifted the teacher by +0.034 test HR@1 and the C2KD student on each seed (README)
+    # train-teacher --sasrec-kd: SASRec's catalog distribution distilled into the teacher; 4.0 lifted
+    # the teacher and the C2KD student over 3 demo seeds (docs/RESULTS.md, the demo)
     teacher_sasrec_kd: float = 4.0
     student: str = "smollm2-135m"
-    student_shrink: str | None = "first:2"  # 15x fewer non-embedding parameters than the teacher
+    student_shrink: str | None = "first:2"  # about 15x fewer non-embedding parameters than the teacher
     student_epochs: int = 3
     student_lr: float = 1e-3
     student_max_train: int | None = 512  # the examples the teacher trained on, cached
     # the C2KD student's `--w-own-logit` (not the paper's, whose is 0): KD on the head that ranks,
-    # which lifted C2KD to 95.7 % of the teacher at 4.0 in the real-LLM benchmark (README); over 5
-    # demo seeds 4.0 put the C2KD student above the student alone on each (+0.022 HR@1 paired)
+    # chosen on the real-LLM benchmark and the demo's seeds (docs/RESULTS.md)
     w_own_logit: float = 4.0
-    # the C2KD student's `--kd-over`: its logit losses over the 1,683 item tokens, not the 49,152-token
-    # vocabulary. On seed 0's cache, student seeds 0-2: 0.70x the C2KD student's time, test HR@1 level
-    # (+0.003 +- 0.011 paired; README)
+    # the C2KD student's `--kd-over`: its logit losses over the item tokens, not the whole vocabulary:
+    # faster at the same test HR@1 (docs/RESULTS.md, the demo's students)
     kd_over: str = "items"
     max_val: int | None = 200  # validation examples that select the best state
     batch_size: int = 32

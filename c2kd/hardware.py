@@ -13,9 +13,9 @@ BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo flags of native bf16 m
 
 
 def native_bf16() -> bool:
-    """Whether this CPU computes bf16 natively (AMX tiles or AVX512-BF16): a SmolLM2 bf16-autocast
-    training step took 0.62-0.63x the float32 one with AMX and 0.62-0.65x with AVX512-BF16
-    (benchmarks/bf16_step.py); elsewhere bf16 is emulated."""
+    """Whether this CPU computes bf16 natively (AMX tiles or AVX512-BF16), where a bf16-autocast
+    training step is clearly faster than a float32 one (benchmarks/bf16_step.py; docs/RESULTS.md);
+    elsewhere bf16 is emulated."""
     return torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
 
 

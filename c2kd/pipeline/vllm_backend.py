@@ -158,7 +158,7 @@ class VllmStates:
             from c2kd.pipeline.vllm_connector import CONNECTOR
 
             engine.update(
-                enforce_eager=False,  # compiled (CUDA graphs on GPUs): SmolLM2 on this CPU 1.18x the hooks rate
+                enforce_eager=False,  # compiled (CUDA graphs on GPUs): faster than hooks (docs/RESULTS.md)
                 speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
                                     "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": self.aux}}},
                 kv_transfer_config={"kv_connector": CONNECTOR, "kv_role": "kv_producer",

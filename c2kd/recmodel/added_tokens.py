@@ -51,8 +51,8 @@ class AddedTokenRows(nn.Module):
 
     def frozen_logits(self, head: nn.Linear, h: Tensor) -> Tensor:
         """head(h) for the frozen pretrained head. Under autocast, nn.Linear casts its whole weight
-        (50k-262k rows) at every call; frozen, it is cast once and reused until it changes (about a
-        tenth of a Gemma bf16 step, benchmarks/cpu_step.py)."""
+        (50k-262k rows) at every call; frozen, it is cast once and reused until it changes
+        (benchmarks/cpu_step.py; measured in docs/RESULTS.md)."""
         device = h.device.type
         if head.bias is not None or head.weight.requires_grad or not torch.is_autocast_enabled(device):
             return head(h)

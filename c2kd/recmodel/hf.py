@@ -149,8 +149,8 @@ def logit_softcap(lm: nn.Module) -> float | None:
 def plain_attention_for_training(model: nn.Module) -> None:
     """Switch every Hugging Face model inside `model` to the plain (matmul + softmax) attention.
 
-    For training on CPU: at c2kd's prompt lengths (~40 tokens) the fused SDPA kernel's backward took
-    a fifth to two fifths of a SmolLM2 step (benchmarks/cpu_step.py). Both compute the same
+    For training on CPU: at c2kd's prompt lengths (~40 tokens) the fused SDPA kernel's backward is a
+    large share of a step (benchmarks/cpu_step.py; docs/RESULTS.md). Both compute the same
     attention; the setting is not saved with the model, so inference keeps the default."""
     for module in model.modules():
         if isinstance(module, PreTrainedModel) and module.config._attn_implementation != "eager":
