@@ -16,7 +16,7 @@ variant's students per method and seed. The baseline students are the benchmark'
 folder where they exist, otherwise from its recorded summary, which is only valid when the
 rebuilt teacher's test metrics equal the recorded ones (checked; the script stops otherwise).
 `--summary` names the benchmark run paired with (its settings, teacher and rows; default: the
-recorded float32 run, `results/real_llm_summary.json`).
+recorded float32 run, `results/real_llm/f32.json`).
 The JSON holds the paired differences, and the benchmark's table and goals with the variant's
 students in place of its own (printed as markdown too). Resumable like the benchmark: finished
 students are reused.
@@ -36,7 +36,7 @@ from benchmarks.common import write_result  # noqa: E402
 from benchmarks.real_llm import FAMILIES, METHODS, Bench, by_metric, flat_metrics, goals, markdown, student_test_metrics  # noqa: E402
 
 
-RECORDED = Path(__file__).parent / "results" / "real_llm_summary.json"  # the default --summary
+RECORDED = Path(__file__).parent / "results" / "real_llm" / "f32.json"  # the default --summary
 METRIC = ("candidates", "HR@1")
 # name: (flags added to the benchmark's distill command, the methods compared by default)
 VARIANTS = {
