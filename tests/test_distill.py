@@ -27,12 +27,12 @@ from c2kd.recmodel.model import RecLM
 from c2kd.recmodel.prompts import PromptEncoder, collate, encode_frame
 from c2kd.recmodel.tokenizer import build_word_tokenizer
 from c2kd.recmodel.prompts import answer_index
-from c2kd.student.c2kd_modules import LayerFilters
+from c2kd.student.filters import LayerFilters, stage1_loss
 from c2kd.student.cache_batches import CacheBatches
 import c2kd.student.distill as distill_module
 from c2kd.student.distill import DistillRecipe, build_student, distill
 from c2kd.student.losses import logit_kd_loss, soft_cross_entropy
-from c2kd.student.objective import DistillModel, layer_filters, stage1_loss
+from c2kd.student.objective import DistillModel
 from c2kd.training import TrainConfig, epoch_batches, read_log, train
 
 from benchmarks.live_teacher import live_teacher_batch
@@ -97,10 +97,9 @@ def _live_batch(teacher, examples, example_ids, layers, positions):
 def _model(cache: TeacherCache, recipe: DistillRecipe, seed=0) -> DistillModel:
     torch.manual_seed(seed)
     student = build_student(recipe, cache, seed=seed)
-    filters = layer_filters(recipe, cache.spec.layers, cache.spec, student)
+    filters = recipe.layer_filters(cache.spec, student) if recipe.method == "c2kd" else None
     layer_map = {1: 3} if recipe.method == "feature-kd" else None
-    return DistillModel(student, recipe, cache.spec, cache.head_weight(),
-                        filters if recipe.method == "c2kd" else None, layer_map).eval()
+    return DistillModel(student, recipe, cache.spec, cache.head_weight(), filters, layer_map).eval()
 
 
 # ---------------------------------------------------------------- fidelity: cache == live teacher
@@ -139,19 +138,16 @@ def test_every_loss_from_the_cache_equals_the_live_teacher(caches, teacher, exam
         assert set(from_cache) == set(from_teacher)
         for term, value in from_cache.items():
             assert torch.allclose(value, from_teacher[term], rtol=rtol, atol=1e-7), (name, term, value, from_teacher[term])
-        if dtype == "float32" and recipe.method == "c2kd":
-            assert model.router_counts == {}  # eval mode: choices are only counted in training
 
 
 def test_router_picks_the_same_layers_from_cache_and_live_teacher(caches, teacher, examples):
     cache = TeacherCache.open(caches("all", "float32"))
     ids = cache.split_ids("train")[:12].tolist()
     model = _model(cache, DistillRecipe(student="micro")).train()
-    model(cache.get(ids))
-    from_cache = dict(model.router_counts)
-    model.router_counts.clear()
-    model(_live_batch(teacher, examples, ids, cache.spec.layers, "all"))
-    assert model.router_counts == from_cache and sum(from_cache.values()) == 12
+    counts = lambda out: {k: int(v) for k, v in out.items() if k.startswith("count/")}  # noqa: E731
+    from_cache = counts(model(cache.get(ids)))
+    assert counts(model(_live_batch(teacher, examples, ids, cache.spec.layers, "all"))) == from_cache
+    assert sum(from_cache.values()) == 12
 
 
 @pytest.mark.parametrize("logits", ["full", "topk:K"])
@@ -222,7 +218,7 @@ def test_kd_over_items_is_the_catalog_distribution_at_the_item_answer(caches):
     torch.testing.assert_close(stage1_loss(filters, batch, items)["loss"], by_hand)
     llara = dataclasses.replace(cache.spec, prompt_format="llara")  # its answers are titles, not item tokens
     with pytest.raises(C2KDError, match="needs an ids cache, this one is 'llara'"):
-        DistillModel(model.student, DistillRecipe(student="micro", kd_over="items"), llara, cache.head_weight())
+        DistillRecipe(student="micro", kd_over="items").check_cache(llara)
 
 
 def test_kd_over_candidates_is_the_teachers_ranking_of_each_examples_candidates(caches):
@@ -275,7 +271,9 @@ def test_loss_terms_and_gradients_per_method(caches, recipe, terms):
     cache = TeacherCache.open(caches("all", "bfloat16"))
     model = _model(cache, recipe).train()
     out = model(cache.get(cache.split_ids("train")[:6]))
+    counts = {k: out.pop(k) for k in list(out) if k.startswith("count/")}
     assert set(out) == terms
+    assert (sum(counts.values()) == 6) if recipe.method == "c2kd" else not counts  # each example routed once
     weights = {"feat": recipe.w_feat, "logit": recipe.w_logit, "orth": recipe.w_orth, "own_logit": recipe.w_own_logit}
     assert torch.allclose(out["loss"], out["lm"] + sum(weights[t] * out[t] for t in terms - {"loss", "lm"}))
     out["loss"].backward()
@@ -285,7 +283,7 @@ def test_loss_terms_and_gradients_per_method(caches, recipe, terms):
     trained = model.trainable_parameters()
     assert trained and all(p.grad is not None for p in trained)
     if recipe.method == "c2kd" and recipe.router == "fixed:4":
-        assert model.router_counts == {4: 6}
+        assert counts["count/router_layer_4"] == 6
 
 
 # ---------------------------------------------------------------- the recipe end to end

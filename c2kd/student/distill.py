@@ -37,11 +37,14 @@ from c2kd.recmodel.build import build_model, check_source
 from c2kd.recmodel.hf import prepare_for_training
 from c2kd.recmodel.model import RecLM
 from c2kd.recmodel.pretrained import c2kd_home
-from c2kd.run_folder import check_or_write_recipe, claim, finished_run
-from c2kd.student.c2kd_modules import LayerFilters, parse_router, uniform_layer_map
+from c2kd.run_folder import check_or_write_recipe, claim, finished_run, leaves_nothing_when_refused
 from c2kd.student.cache_batches import CacheBatches
-from c2kd.student.objective import METHODS, DistillModel, LossWeights, check_kd_support, kd_classes, layer_filters, stage1_loss
+from c2kd.student.filters import LayerFilters, stage1_loss
+from c2kd.student.kd_support import ITEM_SUPPORTS, KD_SUPPORTS
+from c2kd.student.layer_map import uniform_layer_map
+from c2kd.student.objective import METHODS, DistillModel, LossWeights
 from c2kd.student.report import distill_record, epoch_router_counts, finish
+from c2kd.student.router import parse_router
 from c2kd.training import TrainConfig, TrainResult, comparable_config, train
 
 DEFAULT_SELECT_METRIC = "NDCG@10"  # over the 20 stored validation candidates
@@ -71,7 +74,10 @@ class DistillRecipe(LossWeights):
         if self.method not in METHODS:
             raise C2KDError(f"--method {self.method!r}: expected one of {', '.join(METHODS)}")
         parse_router(self.router)
-        check_kd_support(self.kd_over, method=self.method)
+        if self.kd_over not in KD_SUPPORTS:
+            raise C2KDError(f"--kd-over {self.kd_over!r}: expected one of {', '.join(KD_SUPPORTS)}")
+        if self.kd_over in ITEM_SUPPORTS and self.method in ("sft", "feature-kd"):
+            raise C2KDError(f"--kd-over {self.kd_over} changes the logit losses; --method {self.method} has none (drop --kd-over)")
         check_source(self.student, self.shrink, self.item_head)
         for name in ("w_feat", "w_logit", "w_orth", "w_own_logit", "stage1_epochs"):
             if getattr(self, name) < 0:
@@ -94,6 +100,51 @@ class DistillRecipe(LossWeights):
         if self.select_metric not in SELECT_METRICS:
             raise C2KDError(f"--select-metric {self.select_metric!r}: expected one of {', '.join(SELECT_METRICS)}")
 
+    def router_candidates(self, spec: CacheSpec) -> tuple[int, ...]:
+        """C2KD's candidate teacher layers: --router-layers, each of them cached, or every cached layer (a
+        cache may also hold the early layers a feature-KD student of the same teacher reads); () otherwise."""
+        if self.method != "c2kd":
+            return ()
+        if self.router_layers is None:
+            return tuple(spec.layers)
+        missing = [l for l in self.router_layers if l not in spec.layers]
+        if missing:
+            raise C2KDError(f"--router-layers: layers {missing} are not cached (cached: {list(spec.layers)})")
+        return tuple(self.router_layers)
+
+    def check_cache(self, spec: CacheSpec) -> None:
+        """What the recipe asks of the cache: item-token answers for --kd-over items, cached router layers."""
+        if self.kd_over in ITEM_SUPPORTS and spec.prompt_format != "ids":
+            raise C2KDError(f"--kd-over {self.kd_over} compares item-token distributions: it needs an ids cache, this one "
+                            f"is {spec.prompt_format!r} (use --kd-over vocab)")
+        candidates = self.router_candidates(spec)
+        kind, fixed_layer = parse_router(self.router)
+        if self.method == "c2kd" and kind == "fixed" and fixed_layer not in spec.layers:
+            raise C2KDError(f"--router {self.router}: layer {fixed_layer} is not cached (cached: {list(spec.layers)})")
+        if self.method == "c2kd" and kind == "fixed" and fixed_layer not in candidates:
+            raise C2KDError(f"--router {self.router}: layer {fixed_layer} is not one of --router-layers {list(candidates)}")
+
+    def probe_classes(self, student: RecLM) -> torch.Tensor | None:
+        """What stage 1's probe head classifies: None = the vocabulary, or (--kd-over items|candidates)
+        the item tokens' ids, in item order."""
+        return student.item_token_ids[1:].clone() if self.kd_over in ITEM_SUPPORTS else None
+
+    def layer_filters(self, spec: CacheSpec, student: RecLM) -> LayerFilters:
+        """C2KD's stage-1 filters over the router's candidate layers, for this student and cache."""
+        classes = self.probe_classes(student)
+        return LayerFilters(self.router_candidates(spec), spec.hidden_size, student.hidden_size,
+                            spec.vocab_size if classes is None else len(classes))
+
+    def check_student(self, student: RecLM, spec: CacheSpec) -> None:
+        """A method that compares the student's own logits with the teacher's needs one vocabulary."""
+        own_head = self.method == "logit-kd" or (self.method == "c2kd" and (not self.cross_head or self.w_own_logit > 0))
+        if own_head and student.vocab_size != spec.vocab_size:
+            raise C2KDError(
+                f"--method {self.method}{'' if self.cross_head else ' --no-cross-head'}"
+                f"{' --w-own-logit' if self.w_own_logit > 0 else ''} compares the student's "
+                f"own logits with the teacher's, but their vocabularies differ ({student.vocab_size} vs {spec.vocab_size})"
+            )
+
 
 def build_student(recipe: DistillRecipe, cache: TeacherCache, seed: int) -> RecLM:
     """The student over the cache's tokenizer and item embeddings (`c2kd.recmodel.build`); a saved
@@ -110,28 +161,17 @@ def build_student(recipe: DistillRecipe, cache: TeacherCache, seed: int) -> RecL
         problems.append(f"prompt format {student.spec.format!r} != cache {spec.prompt_format!r}")
     if problems:
         raise C2KDError(f"--student {recipe.student}: " + "; ".join(problems))
+    recipe.check_student(student, spec)
     return student
-
-
-def router_candidates(recipe: DistillRecipe, spec: CacheSpec) -> tuple[int, ...]:
-    """C2KD's candidate teacher layers: --router-layers, each of them cached, or every cached layer (a cache
-    may also hold the early layers a feature-KD student of the same teacher reads)."""
-    if recipe.router_layers is None:
-        return tuple(spec.layers)
-    missing = [l for l in recipe.router_layers if l not in spec.layers]
-    if missing:
-        raise C2KDError(f"--router-layers: layers {missing} are not cached (cached: {list(spec.layers)})")
-    return tuple(recipe.router_layers)
 
 
 def _stage1(recipe: DistillRecipe, cache: TeacherCache, layers: tuple[int, ...], train_ids: np.ndarray,
             config: TrainConfig, student: RecLM, work: Path) -> tuple[LayerFilters, TrainResult | None]:
     """C2KD stage 1: the layer filters g_l of the candidate `layers` on the cached teacher states (the teacher
     frozen by construction)."""
-    spec = cache.spec
-    classes = kd_classes(recipe, student)
+    classes = recipe.probe_classes(student)
     torch.manual_seed(config.seed)
-    filters = layer_filters(recipe, layers, spec, student)
+    filters = recipe.layer_filters(cache.spec, student)
     if recipe.stage1_epochs == 0:
         return filters, None
     stage1 = TrainConfig(out_dir=work / "stage1", lr=recipe.stage1_lr, weight_decay=config.weight_decay,
@@ -143,6 +183,7 @@ def _stage1(recipe: DistillRecipe, cache: TeacherCache, layers: tuple[int, ...],
     return filters, train(filters, lambda net, batch: stage1_loss(net, batch, classes), source, None, None, stage1)
 
 
+@leaves_nothing_when_refused
 def distill(
     cache: str | os.PathLike,
     data: str | Path | ExampleSet,
@@ -175,13 +216,8 @@ def distill(
     finished = finished_run(out, recipe_record, "distill.json", overwrite, SETTINGS_ADDED)
     if finished is not None:
         return {**finished, "already_complete": True}
-    check_kd_support(recipe.kd_over, spec.prompt_format)
-    kind, fixed_layer = parse_router(recipe.router)
-    candidates = router_candidates(recipe, spec) if recipe.method == "c2kd" else ()
-    if recipe.method == "c2kd" and kind == "fixed" and fixed_layer not in spec.layers:
-        raise C2KDError(f"--router {recipe.router}: layer {fixed_layer} is not cached (cached: {list(spec.layers)})")
-    if recipe.method == "c2kd" and kind == "fixed" and fixed_layer not in candidates:
-        raise C2KDError(f"--router {recipe.router}: layer {fixed_layer} is not one of --router-layers {list(candidates)}")
+    recipe.check_cache(spec)
+    candidates = recipe.router_candidates(spec)
     student = build_student(recipe, teacher_cache, seed=config.seed)
     teacher_cache.teacher_config()  # with the tokenizer, embeddings and head: every asset checksummed before training
     layer_map = None
@@ -211,14 +247,15 @@ def distill(
     evaluator = RecLMEvaluator(examples, "validation", limit=recipe.max_val, batch_size=recipe.eval_batch_size,
                                generation=False, full_catalog=False, progress=False)
     result = train(model, lambda net, batch: net(batch), source, lambda m: evaluator(m.student), recipe.select_metric,
-                   config, trainable_parameters=model.trainable_parameters(), on_epoch_end=epoch_router_counts(model),
+                   config, trainable_parameters=model.trainable_parameters(), on_epoch_end=epoch_router_counts(model.router_layers),
                    on_device=prepare_for_training)
     record = distill_record(recipe, teacher_cache, str(cache), model, examples, len(train_ids), evaluator, config,
                             stage1_result, result, layer_map)
     if rank != 0:
         return record
-    record["metrics"] = {split: RecLMEvaluator(examples, split, batch_size=recipe.eval_batch_size, progress=False)
-                         .evaluate(model.student) for split in ("validation", "test")}
+    evaluated = {split: RecLMEvaluator(examples, split, batch_size=recipe.eval_batch_size, progress=False)
+                 .evaluate_with_predictions(model.student) for split in ("validation", "test")}
+    record["metrics"] = {split: metrics for split, (metrics, _) in evaluated.items()}
     record["timings"]["this_run_s"] = round(time.perf_counter() - wall, 3)
-    finish(model.student, work, out, record, overwrite, keep_checkpoints)
+    finish(model.student, work, out, record, overwrite, keep_checkpoints, [rows for _, rows in evaluated.values()])
     return record

@@ -1,41 +1,47 @@
-"""What a finished `distill` run leaves behind: distill.json, metrics.json, the logs and distill.png."""
+"""What a finished `distill` run leaves behind: distill.json, metrics.json, predictions.parquet, the logs and distill.png."""
 
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
+import polars as pl
 
 from c2kd.atomic import write_json
 from c2kd.cache_schema import TeacherCache
-from c2kd.distributed import all_reduce_sum
 from c2kd.data.examples import ExampleSet
+from c2kd.predictions import PREDICTIONS_FILE, write_predictions
 from c2kd.recmodel.model import RecLM
 from c2kd.run_folder import publish
-from c2kd.training import TrainConfig, TrainResult, read_log
+from c2kd.training import COUNT_PREFIX, TrainConfig, TrainResult, read_log
 
 DISTILL_KIND = "c2kd-distill"
 DISTILL_VERSION = 1
 PLOT_FILE = "distill.png"
 
 
-def epoch_router_counts(model: Any) -> Callable[[int, dict], dict | None]:
-    """Trainer hook: the router's layer choices of the epoch, summed over ranks, into the log."""
+def epoch_router_counts(layers: tuple[int, ...]) -> Callable[[int, dict], dict | None]:
+    """Trainer hook: the router's layer choices of the epoch (the `count/router_layer_L` terms the
+    trainer summed over the epoch and the ranks) and their entropy, into the epoch line of the log."""
 
     def hook(epoch: int, stats: dict) -> dict | None:
-        if not model.router_layers:
+        if not layers:
             return None
-        counts = torch.tensor([model.router_counts.get(l, 0) for l in model.router_layers], dtype=torch.float64)
-        counts = all_reduce_sum(counts)
-        model.router_counts.clear()
-        return {"router_counts": {str(l): int(c) for l, c in zip(model.router_layers, counts.tolist())}}
+        counts = {str(l): int(round(stats.pop(f"{COUNT_PREFIX}router_layer_{l}", 0.0))) for l in layers}
+        return {"router_counts": counts, "router_entropy": choice_entropy(counts.values())}
 
     return hook
+
+
+def choice_entropy(counts: Iterable[int]) -> float:
+    """Entropy (nats) of the router's choices: 0 when one layer takes every example, ln K when K share them evenly."""
+    p = np.array([c for c in counts if c > 0], dtype=np.float64)
+    p = p / max(p.sum(), 1.0)
+    return float(-(p * np.log(p)).sum()) if p.size else 0.0
 
 
 def distill_record(recipe: Any, cache: TeacherCache, cache_path: str, model: Any, examples: ExampleSet,
@@ -45,7 +51,7 @@ def distill_record(recipe: Any, cache: TeacherCache, cache_path: str, model: Any
     spec, student = cache.spec, model.student
     return {
         "kind": DISTILL_KIND, "version": DISTILL_VERSION, "recipe": asdict(recipe),
-        "cache": {"path": cache_path, "digest": cache.digest, "layers": list(spec.layers), "positions": spec.positions, "logits": spec.logits,
+        "cache": {"path": cache_path, "digest": cache.digest, "layers": list(spec.layers), "positions": spec.positions, "logits": str(spec.logits),
                   "dtype": spec.dtype, "teacher": spec.teacher_description, "teacher_fingerprint": spec.teacher_fingerprint,
                   "spec_hash": spec.spec_hash},
         "student": {"source": recipe.student, "shrink": recipe.shrink, "base": student.spec.base,
@@ -63,14 +69,18 @@ def distill_record(recipe: Any, cache: TeacherCache, cache_path: str, model: Any
     }
 
 
-def finish(student: RecLM, work: Path, out: Path, record: dict, overwrite: bool, keep_checkpoints: bool) -> None:
-    """Save the selected student with its records and plot, then rename it into place at `out`."""
+def finish(student: RecLM, work: Path, out: Path, record: dict, overwrite: bool, keep_checkpoints: bool,
+           predictions: Sequence[pl.DataFrame] = ()) -> None:
+    """Save the selected student with its records, per-example results (`predictions`: one frame per
+    evaluated split, c2kd.predictions) and plot, then rename it into place at `out`."""
     staged = student.save(work / "model")
     shutil.copyfile(work / "stage2" / "log.jsonl", staged / "log.jsonl")
     if (work / "stage1" / "log.jsonl").exists():
         shutil.copyfile(work / "stage1" / "log.jsonl", staged / "stage1_log.jsonl")
     write_json(staged / "distill.json", record)
     write_json(staged / "metrics.json", record["metrics"])
+    if predictions:
+        write_predictions(staged / PREDICTIONS_FILE, predictions)
     plot_run(staged, record)
     publish(staged, out, work, overwrite, keep_work=keep_checkpoints)
 
