@@ -33,7 +33,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file (python benchmarks/student_variants.py): the repository root, for `benchmarks.`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import write_result  # noqa: E402
-from benchmarks.real_llm import FAMILIES, METHODS, Bench, by_metric, flat_metrics, goals, markdown, student_test_metrics  # noqa: E402
+from benchmarks.real_llm import (FAMILIES, METHODS, Bench, by_metric, flat_metrics, goals, hr1_by_seed,  # noqa: E402
+                                  markdown, student_test_metrics)
 
 
 RECORDED = Path(__file__).parent / "results" / "real_llm" / "f32.json"  # the default --summary
@@ -59,7 +60,11 @@ def baseline_hr1(bench: Bench, recorded: dict, family: str, method: str, seed: i
     run = bench.run_folder(family, method, seed)
     if (run / "distill.json").exists():
         return student_test_metrics(run)["/".join(METRIC)]
-    return recorded["families"][family]["rows"][method]["/".join(METRIC)][seed]
+    recorded_hr1 = hr1_by_seed(recorded["families"][family]["rows"][method])  # by seed, not by list position
+    if seed not in recorded_hr1:
+        raise SystemExit(f"{method} seed {seed}: no run folder {run} and no recorded test HR@1 for that seed "
+                         f"(recorded seeds: {sorted(recorded_hr1)})")
+    return recorded_hr1[seed]
 
 
 def main() -> None:
@@ -97,7 +102,7 @@ def main() -> None:
     rows = {"teacher": recorded["families"][args.family]["rows"]["teacher"]}
     for method in methods:
         runs = [student_test_metrics(bench.run_folder(args.family, f"{method} {args.variant}", s)) for s in args.seeds]
-        rows[method] = by_metric(runs)
+        rows[method] = {**by_metric(runs), "seeds": list(args.seeds)}
     result: dict = {"variant": args.variant, "flags": flags, "teacher_test": teacher, "seeds": args.seeds,
                     "commands": bench.commands, "methods": {}}
     for method in methods:
