@@ -21,6 +21,7 @@ from c2kd.run_folder import partial_dir
 from c2kd.recmodel.model import RecLM
 from c2kd.recmodel.prompts import PromptEncoder, collate, encode_frame
 from c2kd.evaluate import RecLMEvaluator
+from c2kd.predictions import read_predictions
 
 FAST = ["--model", "micro", "--max-train", "40", "--batch-size", "8", "--epochs", "2", "--max-val", "16",
         "--checkpoint-every", "3", "--lr", "3e-3", "--no-progress"]
@@ -54,6 +55,14 @@ def test_cli_trains_saves_and_records_validation(tiny_examples_dir, sasrec_run, 
     best = record["validation"]["best"]["NDCG@10"]
     # the saved model IS the selected state: it reproduces the recorded validation metric
     assert _validation_metric(out, tiny_examples_dir, 16) == pytest.approx(best, abs=1e-9)
+    # beside it, the selected model's validation metrics and the per-example rows they are the means of
+    metrics = json.loads((out / "metrics.json").read_text())["validation"]
+    assert metrics["candidates"]["NDCG@10"] == pytest.approx(best, abs=1e-9)
+    rows = read_predictions(out)
+    first16 = load_examples(tiny_examples_dir).split("validation").head(16)
+    assert rows["example_id"].to_list() == first16["example_id"].to_list() and set(rows["split"]) == {"validation"}
+    assert rows["ndcg@10"].mean() == pytest.approx(best, abs=1e-9)
+    assert rows["hit@1"].mean() == pytest.approx(metrics["candidates"]["HR@1"], abs=1e-12)
     model = RecLM.load(out)
     assert model.spec.format == "ids" and model.spec.preset == "micro"
     log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
