@@ -11,7 +11,9 @@ model shrunk with `--shrink` (see `c2kd.recmodel.build`).
 While it runs, everything lives in `<out>.partial/` (the trainer's checkpoints, best state and
 log.jsonl, plus recipe.json); running the same command again resumes there. At the end the best
 weights are saved with `RecLM.save` together with `train.json` and `log.jsonl`, and the folder
-is renamed to `<out>`: a folder at `<out>` is always a whole model.
+is renamed to `<out>`: a folder at `<out>` is always a whole model. The selected model is evaluated
+once more on the examples that selected it: `metrics.json` ({"validation": ...}) and the per-example
+rows, `predictions.parquet` (c2kd.predictions).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from c2kd.atomic import write_json
 from c2kd.distributed import dist_env
 from c2kd.errors import C2KDError
 from c2kd.evaluate import RecLMEvaluator
+from c2kd.predictions import PREDICTIONS_FILE, write_predictions
 from c2kd.data.examples import ExampleSet, fixed_subset, load_examples
 from c2kd.sasrec.train import (SplitTensors, catalog_scores, check_fingerprint, load_item_embeddings, load_sasrec,
                                   read_run_config)
@@ -241,15 +244,20 @@ def train_teacher(
                     "resumed_from_step": result.resumed_from},
     }
     if rank == 0:
-        _finish(model, work, out, record, overwrite, keep_checkpoints)
+        _finish(model, work, out, record, overwrite, keep_checkpoints, evaluator)
     return record
 
 
-def _finish(model: RecLM, work: Path, out: Path, record: dict, overwrite: bool, keep_checkpoints: bool) -> None:
-    """Save the (best) model with train.json and log.jsonl, then rename it into place at `out`."""
+def _finish(model: RecLM, work: Path, out: Path, record: dict, overwrite: bool, keep_checkpoints: bool,
+            evaluator: RecLMEvaluator) -> None:
+    """Save the (best) model with train.json, log.jsonl, its validation metrics and per-example rows,
+    then rename it into place at `out`."""
+    metrics, rows = evaluator.evaluate_with_predictions(model)
     staged = model.save(work / "model")
     shutil.copyfile(work / "log.jsonl", staged / "log.jsonl")
     write_json(staged / "train.json", record)
+    write_json(staged / "metrics.json", {"validation": metrics})
+    write_predictions(staged / PREDICTIONS_FILE, rows)
     publish(staged, out, work, overwrite, keep_work=keep_checkpoints)
 
 
