@@ -320,15 +320,14 @@ class Bench:
                     "student alone, history loss": ("student-alone-history", "train.json")}
             runs.update({m: (m, "distill.json") for m in METHODS})
             for label, (folder, record) in runs.items():
-                done = [run for run in (self.run_folder(name, folder, s) for s in seeds) if (run / record).exists()]
-                if done:
-                    if record == "train.json":
-                        metrics = [flat_metrics(json.loads((d / "metrics-test.json").read_text())) for d in done
-                                   if (d / "metrics-test.json").exists()]
-                    else:
-                        metrics = [student_test_metrics(d) for d in done]
-                    if metrics:
-                        fam["rows"][label] = by_metric(metrics)
+                done = [(s, run) for s, run in ((s, self.run_folder(name, folder, s)) for s in seeds)
+                        if (run / record).exists()]
+                if record == "train.json":
+                    done = [(s, d) for s, d in done if (d / "metrics-test.json").exists()]
+                metrics = [flat_metrics(json.loads((d / "metrics-test.json").read_text())) if record == "train.json"
+                           else student_test_metrics(d) for _, d in done]
+                if metrics:  # the seeds beside the values: methods are paired by seed, not by list position
+                    fam["rows"][label] = {**by_metric(metrics), "seeds": [s for s, _ in done]}
             if (root / "latency.json").exists():
                 fam["latency"] = json.loads((root / "latency.json").read_text())
             fam["goals"] = goals(result["sasrec"], fam["rows"])
@@ -357,6 +356,15 @@ def cached_layers(name: str) -> list[int]:
     return sorted({*late_layers(fam["layers"]), *uniform})
 
 
+def hr1_by_seed(row: dict) -> dict[int, float]:
+    """A row's test HR@1 keyed by seed (its "seeds"; rows recorded before they were kept held seeds 0, 1, ... in order)."""
+    values = row["candidates/HR@1"]
+    seeds = row.get("seeds", list(range(len(values))))
+    if len(seeds) != len(values):
+        raise ValueError(f"a row with {len(values)} HR@1 values and {len(seeds)} seeds")
+    return dict(zip(seeds, values))
+
+
 def goals(sasrec: dict, rows: dict) -> dict:
     """The issue's goals on test HR@1, measured and stated plainly."""
     hr = {k: statistics.mean(v["candidates/HR@1"]) for k, v in rows.items()}
@@ -374,10 +382,13 @@ def goals(sasrec: dict, rows: dict) -> dict:
         ratio = hr["C2KD"] / hr["SFT from cache"]
         out["C2KD >= 1.2 x SFT student"] = {"ratio": ratio, "holds": ratio >= 1.2}
     if {"C2KD", "logit KD"} <= set(hr):
-        diffs = [a - b for a, b in zip(rows["C2KD"]["candidates/HR@1"], rows["logit KD"]["candidates/HR@1"])]
-        out["C2KD - logit KD (paired over seeds)"] = {
-            "differences": diffs, "mean": statistics.mean(diffs),
-            "std": statistics.stdev(diffs) if len(diffs) > 1 else None}
+        c2kd, logit = hr1_by_seed(rows["C2KD"]), hr1_by_seed(rows["logit KD"])
+        paired = sorted(c2kd.keys() & logit.keys())  # only the seeds both methods ran
+        if paired:
+            diffs = [c2kd[s] - logit[s] for s in paired]
+            out["C2KD - logit KD (paired over seeds)"] = {
+                "seeds": paired, "differences": diffs, "mean": statistics.mean(diffs),
+                "std": statistics.stdev(diffs) if len(diffs) > 1 else None}
     return out
 
 
