@@ -11,13 +11,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
 
 from c2kd.cache_schema import TeacherCache
 from c2kd.recmodel.tokenizer import item_token_ids
-from c2kd.student.objective import check_kd_support
+from c2kd.student.distill import DistillRecipe
+
+if __package__ in (None, ""):  # run as a file (python benchmarks/item_mass.py): the repository root, for `benchmarks.`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import write_result  # noqa: E402
 
 
 def item_mass(cache: TeacherCache, batch_size: int = 64) -> torch.Tensor:
@@ -40,13 +45,13 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     cache = TeacherCache.open(args.cache)
-    check_kd_support("items", cache.spec.prompt_format)  # the answers must be item tokens
+    DistillRecipe(method="logit-kd", kd_over="items").check_cache(cache.spec)  # the answers must be item tokens
     share = item_mass(cache)
     result = {"cache": str(args.cache), "teacher": cache.spec.teacher_description, "positions": len(share),
               "item_mass": {"mean": share.mean().item(), "median": share.median().item(), "min": share.min().item()}}
     print(json.dumps(result, indent=2))
     if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        write_result(args.json, result)
 
 
 if __name__ == "__main__":

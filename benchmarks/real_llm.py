@@ -36,7 +36,11 @@ from pathlib import Path
 from c2kd.atomic import write_json
 from c2kd.hardware import cpu_description
 from c2kd.recmodel.layers import late_layers
-from c2kd.student.c2kd_modules import uniform_layer_map
+from c2kd.student.layer_map import uniform_layer_map
+
+if __package__ in (None, ""):  # run as a file (python benchmarks/real_llm.py): the repository root, for `benchmarks.`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import mean_std, write_result  # noqa: E402
 
 FAMILIES = {
     # name: alias, teacher layers, layers the student keeps (>= 8x fewer non-embedding parameters),
@@ -98,10 +102,6 @@ def by_metric(runs: list[dict[str, float]]) -> dict[str, list[float]]:
 def student_test_metrics(run: Path) -> dict[str, float]:
     """A distilled student's test metrics (its distill.json), flattened."""
     return flat_metrics(json.loads((run / "distill.json").read_text())["metrics"]["test"])
-
-
-def mean_std(values: list[float]) -> str:
-    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}" if len(values) > 1 else f"{values[0]:.3f}"
 
 
 class StepClock:
@@ -473,7 +473,7 @@ def main() -> None:
     result = kept_from_earlier(bench.summary(), args.out / "summary.json")
     result["seconds_this_run"] = round(time.perf_counter() - started)
     result["machine"] = cpu_description()  # of this run; a resumed tier may have trained earlier steps elsewhere
-    (args.out / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out / "summary.json", result)
     (args.out / "summary.md").write_text(markdown(result))
     print(markdown(result))
 

@@ -53,8 +53,12 @@ from c2kd.recmodel.presets import ModelPreset
 from c2kd.recmodel.prompts import PromptEncoder, collate, encode_frame
 from c2kd.recmodel.tokenizer import build_word_tokenizer
 from c2kd.student.distill import DistillRecipe, build_student
-from c2kd.student.objective import DistillModel, layer_filters
-from live_teacher import live_teacher_batch
+from c2kd.student.objective import DistillModel
+
+if __package__ in (None, ""):  # run as a file (python benchmarks/stage_two.py): the repository root, for `benchmarks.`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.live_teacher import live_teacher_batch  # noqa: E402
+from benchmarks.common import write_result  # noqa: E402
 
 VARIANTS = ("c2kd-cache", "c2kd-items-cache", "sft-cache", "c2kd-live")
 CACHE_KD = ("c2kd-cache", "c2kd-items-cache")  # read the teacher's states from the cache
@@ -112,8 +116,8 @@ class Bench:
                                    shrink=args.shrink, kd_over="items" if name == "c2kd-items-cache" else "vocab")
             student = build_student(recipe, self.cache, seed=0)
             torch.manual_seed(0)
-            filters = layer_filters(recipe, spec.layers, spec, student)
-            model = DistillModel(student, recipe, spec, head, filters if recipe.method == "c2kd" else None)
+            filters = recipe.layer_filters(spec, student) if recipe.method == "c2kd" else None
+            model = DistillModel(student, recipe, spec, head, filters)
             model.to(self.device).train()
             self.models[name] = model
             self.optims[name] = torch.optim.AdamW(model.trainable_parameters(), lr=1e-4)
@@ -276,7 +280,7 @@ def main() -> None:
         }
     print(json.dumps(result, indent=2))
     if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        write_result(args.json, result)
 
 
 if __name__ == "__main__":
