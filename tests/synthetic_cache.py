@@ -20,7 +20,7 @@ import torch
 
 from c2kd.cache_schema.plan import ShardPlan, plan_shards
 from c2kd.cache_schema.records import ExampleRecord
-from c2kd.cache_schema.schema import IGNORE_INDEX, CacheSpec
+from c2kd.cache_schema.schema import FINAL_HIDDEN, FULL_LOGITS, IGNORE_INDEX, TOPK_INDICES, TOPK_VALUES, CacheSpec, hidden_array
 from c2kd.cache_schema.writer import CacheWriter
 
 
@@ -75,13 +75,13 @@ def synthetic_record(example_id: int, split: str, spec: CacheSpec, seed: int = 0
     gen = torch.Generator().manual_seed(seed * 1_000_003 + example_id)
     hidden = {layer: torch.randn(rows, d, generator=gen) * 3 for layer in spec.layers}
     final = torch.randn(a, d, generator=gen)
-    policy = spec.logits_policy
-    topk_values = topk_indices = full = None
+    outputs = {**{hidden_array(layer): h for layer, h in hidden.items()}, FINAL_HIDDEN: final}
+    policy = spec.logits
     if policy.kind == "topk":
-        topk_values = torch.randn(a, policy.k, generator=gen).sort(dim=-1, descending=True).values
-        topk_indices = torch.stack([torch.randperm(spec.vocab_size, generator=gen)[: policy.k] for _ in range(a)]) if a else torch.zeros(0, policy.k, dtype=torch.long)
+        outputs[TOPK_VALUES] = torch.randn(a, policy.k, generator=gen).sort(dim=-1, descending=True).values
+        outputs[TOPK_INDICES] = torch.stack([torch.randperm(spec.vocab_size, generator=gen)[: policy.k] for _ in range(a)]) if a else torch.zeros(0, policy.k, dtype=torch.long)
     elif policy.kind == "full":
-        full = torch.randn(a, spec.vocab_size, generator=gen)
+        outputs[FULL_LOGITS] = torch.randn(a, spec.vocab_size, generator=gen)
     history = rng.integers(1, 50, size=int(rng.integers(3, 11))).tolist()
     candidates = rng.permutation(np.arange(1, 50))[:20].tolist()
     return ExampleRecord(
@@ -94,11 +94,7 @@ def synthetic_record(example_id: int, split: str, spec: CacheSpec, seed: int = 0
         input_ids=input_ids,
         slot_items=slot_items,
         labels=labels,
-        hidden=hidden,
-        final_hidden=final,
-        topk_values=topk_values,
-        topk_indices=topk_indices,
-        full_logits=full,
+        outputs=outputs,
     )
 
 

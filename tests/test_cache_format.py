@@ -25,6 +25,7 @@ from synthetic_cache import (
     synthetic_spec,
     write_synthetic_cache,
 )
+from c2kd.cache_schema.schema import FINAL_HIDDEN, FULL_LOGITS, TOPK_INDICES, TOPK_VALUES, hidden_array
 from c2kd.errors import CacheError
 
 N_EXAMPLES = 14
@@ -77,9 +78,9 @@ def test_round_trip_every_field_bit_exact(bf16_cache):
             got = batch.hidden[layer][b, :t]
             assert got.dtype == torch.bfloat16
             # bit-exact: the stored uint16 bits are the bf16 rounding of the written values
-            assert torch.equal(got.view(torch.int16), _as_float(rec.hidden[layer], "bfloat16").view(torch.int16))
+            assert torch.equal(got.view(torch.int16), _as_float(rec.outputs[hidden_array(layer)], "bfloat16").view(torch.int16))
             assert (batch.hidden[layer][b, t:] == 0).all()
-        assert torch.equal(batch.final_hidden[b, :a].view(torch.int16), _as_float(rec.final_hidden, "bfloat16").view(torch.int16))
+        assert torch.equal(batch.final_hidden[b, :a].view(torch.int16), _as_float(rec.outputs[FINAL_HIDDEN], "bfloat16").view(torch.int16))
     # the answer rows of a per-token tensor are the answer positions
     x = torch.arange(batch.input_ids.numel()).view(batch.input_ids.shape).unsqueeze(-1).float()
     rows = batch.at_answers(x)[..., 0]
@@ -98,10 +99,10 @@ def test_native_float_dtypes_answer_positions_and_topk(tmp_path, dtype):
         a = len(rec.answers)
         for layer in spec.layers:
             assert batch.hidden[layer].shape[1] == batch.answer_mask.shape[1]  # answer rows only
-            assert torch.equal(batch.hidden[layer][b, :a], _as_float(rec.hidden[layer], dtype))
+            assert torch.equal(batch.hidden[layer][b, :a], _as_float(rec.outputs[hidden_array(layer)], dtype))
         assert batch.hidden_mask.shape == batch.answer_mask.shape
-        assert torch.equal(batch.topk_values[b, :a], _as_float(rec.topk_values, dtype))
-        assert batch.topk_indices[b, :a].tolist() == rec.topk_indices.tolist()
+        assert torch.equal(batch.topk_values[b, :a], _as_float(rec.outputs[TOPK_VALUES], dtype))
+        assert batch.topk_indices[b, :a].tolist() == rec.outputs[TOPK_INDICES].tolist()
     arr = zarr.open_array(str(tmp_path / "c" / "shards" / "shard-00000"), path="final_hidden", mode="r")
     assert arr.dtype == np.dtype(dtype) and arr.attrs["c2kd_logical_dtype"] == dtype
 
@@ -113,7 +114,7 @@ def test_full_logits_and_selective_reads(tmp_path):
     rec = synthetic_record(5, "train", spec)
     assert list(batch.hidden) == [3] and batch.final_hidden is None
     assert batch.full_logits.shape == (1, len(rec.answers), spec.vocab_size)
-    assert torch.equal(batch.full_logits[0], _as_float(rec.full_logits, "bfloat16"))
+    assert torch.equal(batch.full_logits[0], _as_float(rec.outputs[FULL_LOGITS], "bfloat16"))
     assert cache.get([5], logits=False).full_logits is None
     with pytest.raises(CacheError, match="layers \\[2\\] are not cached"):
         cache.get([5], layers=[2])
@@ -176,11 +177,11 @@ def test_writer_refuses_bad_records_and_wrong_rank(tmp_path):
     with pytest.raises(CacheError, match="belongs to rank 0"):
         writer.write_shard(0, [synthetic_record(0, "train", spec)])
     rec = synthetic_record(1, "train", spec)
-    rec.hidden = {2: rec.hidden[2]}
-    with pytest.raises(CacheError, match="example 1: hidden layers"):
+    del rec.outputs[hidden_array(3)]
+    with pytest.raises(CacheError, match=r"example 1: teacher outputs \['hidden/layer_3'\] missing"):
         writer.write_shard(1, [rec])
     rec = synthetic_record(5, "train", spec)
-    rec.final_hidden = torch.zeros(len(rec.answers) + 1, spec.hidden_size)
+    rec.outputs[FINAL_HIDDEN] = torch.zeros(len(rec.answers) + 1, spec.hidden_size)
     with pytest.raises(CacheError, match="example 5: final_hidden shape"):
         writer.write_shard(1, [rec])
     with pytest.raises(CacheError, match="split 'validation' in a shard planned for split 'train'"):

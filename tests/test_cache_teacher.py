@@ -163,7 +163,7 @@ def _one_shard_job(teacher_dir, examples, root: Path):
     spec = build_spec(model, examples, teacher_dir, settings, encoder.pad_id)
     rows = examples.split("validation").head(8).to_dicts()
     outputs = TeacherRunner(model, encoder, spec, torch.device("cpu"), 256).shard_outputs(rows)
-    return CacheWriter(root, spec), ShardJob(0, "validation", rows, outputs, spec.positions)
+    return CacheWriter(root, spec), ShardJob(0, "validation", rows, outputs, spec)
 
 
 def test_a_failing_writer_process_is_reported_in_the_parent(teacher_dir, examples, tmp_path):

@@ -59,11 +59,11 @@ def mismatches(spec: CacheSpec, expect: CacheExpectation) -> list[str]:
         if lacking:
             out.append(f"splits {lacking} are not cached (cached: {list(spec.splits)})")
     if expect.logits is not None:
-        have = LogitsPolicy.parse(spec.logits)
+        have = spec.logits
         want = expect.logits.strip().lower()
         fits = want == "topk" and have.kind == "topk" or (want != "topk" and LogitsPolicy.parse(want) == have)
         if not fits:
-            out.append(f"logits policy is {spec.logits!r}, expected {expect.logits!r}")
+            out.append(f"logits policy is {str(have)!r}, expected {expect.logits!r}")
     return out
 
 

@@ -63,6 +63,7 @@ class TeacherCache:
         self.manifest = manifest
         self.spec = S.CacheSpec.from_dict(manifest["spec"])
         self.layout = S.array_layout(self.spec)
+        self._defs = {a.name: a for a in S.array_defs(self.spec)}
         self.index = index
         self._shard_entries = {int(s["shard"]): s for s in manifest["shards"]}
         ids = index["example_id"].to_numpy()
@@ -311,17 +312,20 @@ class TeacherCache:
                                     dtype=np.int64).reshape(-1) for g in groups]
         ids = np.concatenate(ids_per_group) if ids_per_group else np.zeros(0, dtype=np.int64)
         rows = self._rows(ids)
-        names = [S.INPUT_IDS, S.SLOT_ITEMS, S.LABELS, S.ANSWER_POSITIONS, *(S.hidden_array(l) for l in layers)]
-        if final_hidden:
-            names.append(S.FINAL_HIDDEN)
-        if logits:
-            names += [n for n in (S.TOPK_VALUES, S.TOPK_INDICES, S.FULL_LOGITS) if n in self.layout]
+        names = [S.INPUT_IDS, S.SLOT_ITEMS, S.LABELS, S.ANSWER_POSITIONS, *self._output_names(layers, final_hidden, logits)]
         per_example = self._read_examples(rows, names)
         out, start = [], 0
         for g in ids_per_group:
-            out.append(self._batch(g, rows[start : start + len(g)], {n: v[start : start + len(g)] for n, v in per_example.items()}, layers))
+            out.append(self._batch(g, rows[start : start + len(g)], {n: v[start : start + len(g)] for n, v in per_example.items()}))
             start += len(g)
         return out
+
+    def _output_names(self, layers: Sequence[int], final_hidden: bool, logits: bool) -> list[str]:
+        """The teacher outputs a read asks for: hidden states of `layers` (in that order), then the
+        others in schema order, less the groups left out (an output of another group is always read)."""
+        left_out = {S.FINAL_HIDDEN_GROUP: not final_hidden, S.LOGITS_GROUP: not logits}
+        others = [a.name for a in S.output_defs(self.spec) if a.output != S.HIDDEN_GROUP and not left_out.get(a.output)]
+        return [S.hidden_array(l) for l in layers] + others
 
     def _read_examples(self, rows: np.ndarray, names: Sequence[str]) -> dict[str, list[np.ndarray]]:
         """For each array name, each example's rows (in the order of `rows`), read shard by shard."""
@@ -342,52 +346,39 @@ class TeacherCache:
                     start += n
         return out
 
-    def _batch(self, ids: np.ndarray, rows: np.ndarray, data: dict[str, list[np.ndarray]], layers: Sequence[int]) -> CachedBatch:
+    def _batch(self, ids: np.ndarray, rows: np.ndarray, data: dict[str, list[np.ndarray]]) -> CachedBatch:
         """Pad one group's examples into a CachedBatch (ints as int64, floats in the logical dtype)."""
         c, spec = self._col, self.spec
         tok_len, ans_len = c["token_length"][rows], c["answer_length"][rows]
         t_max, a_max = int(tok_len.max(initial=0)), int(ans_len.max(initial=0))
 
-        def pad(name: str, fill: int = 0) -> np.ndarray | None:
-            if name not in data:
-                return None
-            parts = data[name]
-            info = self.layout[name]
-            width = t_max if info["rows"] == "tokens" else a_max
-            dtype = np.int64 if "storage_dtype" not in info else np.dtype(spec.storage_dtype)
-            out = np.full((len(parts), width, *info["columns"]), fill, dtype=dtype)
+        def pad(name: str, fill: int = 0) -> torch.Tensor:
+            parts, a = data[name], self._defs[name]
+            width = t_max if a.rows == "tokens" else a_max
+            out = np.full((len(parts), width, *a.columns), fill, dtype=np.dtype(spec.storage_dtype) if a.is_float else np.int64)
             for j, part in enumerate(parts):
                 out[j, : len(part)] = part
-            return out
-
-        def floats(name: str) -> torch.Tensor | None:
-            arr = pad(name)
-            return None if arr is None else from_storage(arr, spec.dtype)
-
-        def ints(name: str, fill: int = 0) -> torch.Tensor | None:
-            arr = pad(name, fill)
-            return None if arr is None else torch.from_numpy(arr)
+            return from_storage(out, spec.dtype) if a.is_float else torch.from_numpy(out)
 
         attention = (np.arange(t_max)[None, :] < tok_len[:, None]).astype(np.int64)
         return CachedBatch(
             positions=spec.positions,
+            logits_policy=spec.logits,
+            vocab_size=spec.vocab_size,
             example_ids=torch.from_numpy(ids.copy()),
             users=torch.from_numpy(c["user"][rows].astype(np.int64)),
             targets=torch.from_numpy(c["target"][rows].astype(np.int64)),
             candidates=torch.from_numpy(self._col["candidates"][rows]),
             history=torch.from_numpy(self._col["history"][rows]),
-            input_ids=ints(S.INPUT_IDS, int(spec.pad_token_id)),
+            input_ids=pad(S.INPUT_IDS, int(spec.pad_token_id)),
             attention_mask=torch.from_numpy(attention),
-            slot_items=ints(S.SLOT_ITEMS),
-            labels=ints(S.LABELS, S.IGNORE_INDEX),
-            answer_positions=ints(S.ANSWER_POSITIONS),
+            slot_items=pad(S.SLOT_ITEMS),
+            labels=pad(S.LABELS, S.IGNORE_INDEX),
+            answer_positions=pad(S.ANSWER_POSITIONS),
             answer_mask=torch.from_numpy(np.arange(a_max)[None, :] < ans_len[:, None]),
-            hidden={layer: floats(S.hidden_array(layer)) for layer in layers},
-            final_hidden=floats(S.FINAL_HIDDEN),
-            topk_values=floats(S.TOPK_VALUES),
-            topk_indices=ints(S.TOPK_INDICES),
-            full_logits=floats(S.FULL_LOGITS),
+            outputs={name: pad(name) for name in data if self._defs[name].is_output},
         )
+
 
 def _pad_lists(rows: list[list[int]]) -> np.ndarray:
     """Zero-padded [n, longest] int64 array of int lists (item 0 is padding)."""
@@ -416,7 +407,6 @@ def content_digest(cache_or_path: TeacherCache | str | os.PathLike, batch_size: 
         batch = cache.get(ids[start : start + batch_size])
         for b, example_id in enumerate(batch.example_ids.tolist()):
             t, a = int(batch.attention_mask[b].sum()), int(batch.answer_mask[b].sum())
-            rows = t if cache.positions == "all" else a
             parts = [
                 np.int64(example_id).tobytes(), split_of[example_id].encode(),
                 batch.users[b].numpy().tobytes(), batch.targets[b].numpy().tobytes(),
@@ -424,8 +414,8 @@ def content_digest(cache_or_path: TeacherCache | str | os.PathLike, batch_size: 
                 batch.input_ids[b, :t].numpy().tobytes(), batch.slot_items[b, :t].numpy().tobytes(),
                 batch.labels[b, :t].numpy().tobytes(), batch.answer_positions[b, :a].numpy().tobytes(),
             ]
-            tensors = [batch.hidden[layer][b, :rows] for layer in cache.layers] + [batch.final_hidden[b, :a]]
-            tensors += [x[b, :a] for x in (batch.topk_values, batch.topk_indices, batch.full_logits) if x is not None]
+            # every teacher output, in schema order
+            tensors = [batch.outputs[o.name][b, : (t if o.rows == "tokens" else a)] for o in S.output_defs(cache.spec)]
             for x in tensors:
                 parts.append(x.contiguous().view(torch.uint8).numpy().tobytes() if x.numel() else b"")
             for p in parts:

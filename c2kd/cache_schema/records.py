@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from c2kd.cache_schema.schema import IGNORE_INDEX, CacheSpec
+from c2kd.cache_schema.schema import IGNORE_INDEX, ArrayDef, CacheSpec, output_defs
 from c2kd.errors import CacheError
 
 ArrayLike = np.ndarray | torch.Tensor
@@ -24,10 +24,10 @@ def answer_positions(labels: ArrayLike) -> np.ndarray:
 class ExampleRecord:
     """One example as the teacher saw it, and the teacher's outputs for it.
 
-    `hidden[layer]` holds one row per token ([T, d], positions "all") or one row per answer
-    position ([A, d], positions "answer"); `final_hidden` is the post-final-norm state at the
-    answer positions ([A, d]); `topk_*` are [A, K], `full_logits` [A, V]. Floats may be any
-    float dtype: the writer casts them to the cache dtype.
+    `outputs` holds the teacher's outputs by array name (`schema.output_defs`: each
+    `hidden/layer_L`, `final_hidden`, and the logits arrays of the policy), each with one row per
+    token or per answer position as its definition says, e.g. `final_hidden` [A, d] or
+    `topk_values` [A, K]. Floats may be any float dtype: the writer casts them to the cache dtype.
     """
 
     example_id: int
@@ -39,11 +39,7 @@ class ExampleRecord:
     input_ids: ArrayLike
     slot_items: ArrayLike
     labels: ArrayLike
-    hidden: Mapping[int, ArrayLike]
-    final_hidden: ArrayLike
-    topk_values: ArrayLike | None = None
-    topk_indices: ArrayLike | None = None
-    full_logits: ArrayLike | None = None
+    outputs: Mapping[str, ArrayLike]
     _answers: np.ndarray | None = field(default=None, repr=False)
 
     @property
@@ -56,13 +52,17 @@ class ExampleRecord:
             self._answers = answer_positions(self.labels)
         return self._answers
 
+    def values(self, array: ArrayDef) -> ArrayLike:
+        """This example's rows of a token- or answer-major array."""
+        return self.outputs[array.name] if array.is_output else getattr(self, array.field)
+
 
 def _shape(x: ArrayLike | None) -> tuple[int, ...] | None:
     return None if x is None else tuple(torch.as_tensor(x).shape)
 
 
 def check_record(rec: ExampleRecord, spec: CacheSpec, split: str) -> None:
-    """Refuse a record whose shapes do not fit the spec, naming the example and the field."""
+    """Refuse a record whose shapes do not fit the spec, naming the example and the array."""
     where = f"example {rec.example_id}"
     if rec.split != split:
         raise CacheError(f"{where}: split {rec.split!r} in a shard planned for split {split!r}")
@@ -72,21 +72,15 @@ def check_record(rec: ExampleRecord, spec: CacheSpec, split: str) -> None:
     for name in ("slot_items", "labels"):
         if _shape(getattr(rec, name)) != t:
             raise CacheError(f"{where}: {name} shape {_shape(getattr(rec, name))} != input_ids shape {t}")
-    n_tok, n_ans, d = t[0], len(rec.answers), spec.hidden_size
-    rows = n_tok if spec.positions == "all" else n_ans
-    if set(rec.hidden) != set(spec.layers):
-        raise CacheError(f"{where}: hidden layers {sorted(rec.hidden)} != cache layers {list(spec.layers)}")
-    for layer, h in rec.hidden.items():
-        if _shape(h) != (rows, d):
-            raise CacheError(
-                f"{where}: hidden layer {layer} has shape {_shape(h)}, expected {(rows, d)} (positions={spec.positions})"
-            )
-    if _shape(rec.final_hidden) != (n_ans, d):
-        raise CacheError(f"{where}: final_hidden shape {_shape(rec.final_hidden)}, expected {(n_ans, d)}")
-    policy = spec.logits_policy
-    if policy.kind == "topk":
-        for name in ("topk_values", "topk_indices"):
-            if _shape(getattr(rec, name)) != (n_ans, policy.k):
-                raise CacheError(f"{where}: {name} shape {_shape(getattr(rec, name))}, expected {(n_ans, policy.k)}")
-    if policy.kind == "full" and _shape(rec.full_logits) != (n_ans, spec.vocab_size):
-        raise CacheError(f"{where}: full_logits shape {_shape(rec.full_logits)}, expected {(n_ans, spec.vocab_size)}")
+    outputs = output_defs(spec)
+    missing = [a.name for a in outputs if a.name not in rec.outputs]
+    unknown = sorted(set(rec.outputs) - {a.name for a in outputs})
+    if missing or unknown:
+        raise CacheError(f"{where}: teacher outputs {missing} missing, {unknown} not in the cache "
+                         f"(layers {list(spec.layers)}, logits {spec.logits})")
+    rows = {"tokens": t[0], "answers": len(rec.answers)}
+    for a in outputs:
+        expected = (rows[a.rows], *a.columns)
+        if _shape(rec.outputs[a.name]) != expected:
+            raise CacheError(f"{where}: {a.name} shape {_shape(rec.outputs[a.name])}, expected {expected} "
+                             f"(one row per {a.rows[:-1]})")

@@ -1,4 +1,4 @@
-"""The one definition of the teacher-cache layout (schema version 1); SCHEMA.md describes it in prose.
+"""The one definition of the teacher-cache layout (schema version 2); SCHEMA.md describes it in prose.
 
 Every file name, array name, dtype rule and policy string of the cache lives here, so the writer,
 the reader and the verifier cannot drift apart.
@@ -74,9 +74,17 @@ TOPK_VALUES = "topk_values"
 TOPK_INDICES = "topk_indices"
 FULL_LOGITS = "full_logits"
 
+_HIDDEN_RE = re.compile(r"^hidden/layer_(\d+)$")
+
 
 def hidden_array(layer: int) -> str:
     return f"hidden/layer_{layer}"
+
+
+def hidden_layer(name: str) -> int | None:
+    """The layer of a `hidden/layer_L` array name; None for any other array."""
+    m = _HIDDEN_RE.match(name)
+    return int(m.group(1)) if m else None
 
 
 IGNORE_INDEX = -100  # labels value of non-answer tokens (Hugging Face convention)
@@ -108,10 +116,17 @@ INDEX_COLUMNS = (  # index.parquet: one row per example, in shard then storage o
 
 @dataclass(frozen=True)
 class LogitsPolicy:
-    """Which teacher logits the cache holds: `exact` (recompute head(final_hidden)), `topk:K`, `full`."""
+    """Which teacher logits the cache holds: `exact` (recompute head(final_hidden)), `topk:K`, `full`.
+
+    Parsed once where text comes in (the `--logits` setting, a manifest's spec); everything after
+    holds this value. `str()` gives the canonical text the manifest records."""
 
     kind: str
     k: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("exact", "topk", "full") or (self.k > 0) != (self.kind == "topk"):
+            raise CacheError(f"logits policy {self.kind!r} with k={self.k}: expected exact, full, or topk with k > 0")
 
     @staticmethod
     def parse(text: str) -> LogitsPolicy:
@@ -160,7 +175,7 @@ class CacheSpec:
     vocab_size: int
     dtype: str = "bfloat16"
     positions: str = "all"
-    logits: str = "exact"
+    logits: LogitsPolicy = LogitsPolicy("exact")  # text ("topk:8") is parsed on construction
     compression: str = "zstd"
     examples_per_shard: int = 256
     splits: tuple[str, ...] = ("train", "validation", "test")
@@ -178,8 +193,10 @@ class CacheSpec:
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(int(x) for x in self.layers))
         object.__setattr__(self, "splits", tuple(self.splits))
-        # normalise the policy strings so equal settings give equal spec hashes
-        object.__setattr__(self, "logits", str(LogitsPolicy.parse(self.logits)))
+        # text comes from settings and manifests: parse it once; normalise the compression string so
+        # equal settings give equal spec hashes
+        if not isinstance(self.logits, LogitsPolicy):
+            object.__setattr__(self, "logits", LogitsPolicy.parse(self.logits))
         object.__setattr__(self, "compression", str(Compression.parse(self.compression)))
         self.validate()
 
@@ -201,10 +218,6 @@ class CacheSpec:
         parse_part(self.part)
 
     @property
-    def logits_policy(self) -> LogitsPolicy:
-        return LogitsPolicy.parse(self.logits)
-
-    @property
     def compression_codec(self) -> Compression:
         return Compression.parse(self.compression)
 
@@ -214,6 +227,7 @@ class CacheSpec:
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        d["logits"] = str(self.logits)
         d["layers"] = list(self.layers)
         d["splits"] = list(self.splits)
         return d
@@ -297,6 +311,10 @@ def check_manifest(manifest: dict, where: str) -> dict:
     return manifest
 
 
+# What a reader may leave out of a batch: each teacher output belongs to one group.
+HIDDEN_GROUP, FINAL_HIDDEN_GROUP, LOGITS_GROUP = "hidden", "final_hidden", "logits"
+
+
 @dataclass(frozen=True)
 class ArrayDef:
     """One array of a shard: what its rows are, its columns, dtype and where its values come from.
@@ -304,8 +322,10 @@ class ArrayDef:
     rows: "examples" (one per example), "tokens" (one per prompt token, examples concatenated) or
     "answers" (one per answer position). dtype: "int32", "int64" or "float" (the cache's logical
     float dtype). columns: the sizes after the row dimension ("*" = the longest list of the shard,
-    zero-padded). field: the ExampleRecord attribute it is written from, or for example-major arrays
-    the index.parquet column that holds the same values (which verify and the reader cross-check).
+    zero-padded). Where the values come from: example-major arrays from the index.parquet column
+    `field` (which verify and the reader cross-check); the prompt's token/answer arrays from the
+    ExampleRecord attribute `field`; the teacher's outputs (`output` = their group, `field` empty)
+    from `ExampleRecord.outputs[name]`, and a reader hands them over as `CachedBatch.outputs[name]`.
     """
 
     name: str
@@ -313,12 +333,18 @@ class ArrayDef:
     dtype: str
     columns: tuple[int | str, ...]
     dims: tuple[str, ...]
-    field: str
+    field: str = ""
     layer: int | None = None
+    output: str = ""
 
     @property
     def is_float(self) -> bool:
         return self.dtype == "float"
+
+    @property
+    def is_output(self) -> bool:
+        """A teacher output (hidden states, final states, logits), not a prompt or example array."""
+        return bool(self.output)
 
     def to_json(self, spec: CacheSpec) -> dict:
         info: dict = {"rows": self.rows, "columns": list(self.columns), "dims": list(self.dims)}
@@ -327,8 +353,16 @@ class ArrayDef:
         return {**info, "dtype": self.dtype}
 
 
+def _output(name: str, rows: str, dtype: str, columns: tuple[int, ...], dims: tuple[str, ...], group: str,
+            layer: int | None = None) -> ArrayDef:
+    return ArrayDef(name, rows, dtype, columns, dims, layer=layer, output=group)
+
+
 def array_defs(spec: CacheSpec) -> list[ArrayDef]:
-    """Every array a shard of `spec` holds, in writing order: THE layout of a shard."""
+    """Every array a shard of `spec` holds, in writing order: THE layout of a shard.
+
+    A new teacher output is one entry here plus its producer (`TeacherRunner.run_batch`): records,
+    shard writers, the writer, verify, the reader and CachedBatch follow this list."""
     d, v = spec.hidden_size, spec.vocab_size
     e, t, a = "example", "token", "answer"
     hidden_rows = "tokens" if spec.positions == "all" else "answers"
@@ -346,17 +380,22 @@ def array_defs(spec: CacheSpec) -> list[ArrayDef]:
         ArrayDef(SLOT_ITEMS, "tokens", "int32", (), (t,), "slot_items"),
         ArrayDef(LABELS, "tokens", "int32", (), (t,), "labels"),
         ArrayDef(ANSWER_POSITIONS, "answers", "int32", (), (a,), "answers"),
-        *(ArrayDef(hidden_array(l), hidden_rows, "float", (d,), (hidden_rows[:-1], "feature"), "hidden", l)
+        *(_output(hidden_array(l), hidden_rows, "float", (d,), (hidden_rows[:-1], "feature"), HIDDEN_GROUP, l)
           for l in spec.layers),
-        ArrayDef(FINAL_HIDDEN, "answers", "float", (d,), (a, "feature"), "final_hidden"),
+        _output(FINAL_HIDDEN, "answers", "float", (d,), (a, "feature"), FINAL_HIDDEN_GROUP),
     ]
-    policy = spec.logits_policy
+    policy = spec.logits
     if policy.kind == "topk":
-        defs += [ArrayDef(TOPK_VALUES, "answers", "float", (policy.k,), (a, "rank"), "topk_values"),
-                 ArrayDef(TOPK_INDICES, "answers", "int32", (policy.k,), (a, "rank"), "topk_indices")]
+        defs += [_output(TOPK_VALUES, "answers", "float", (policy.k,), (a, "rank"), LOGITS_GROUP),
+                 _output(TOPK_INDICES, "answers", "int32", (policy.k,), (a, "rank"), LOGITS_GROUP)]
     elif policy.kind == "full":
-        defs.append(ArrayDef(FULL_LOGITS, "answers", "float", (v,), (a, "vocab"), "full_logits"))
+        defs.append(_output(FULL_LOGITS, "answers", "float", (v,), (a, "vocab"), LOGITS_GROUP))
     return defs
+
+
+def output_defs(spec: CacheSpec) -> list[ArrayDef]:
+    """The teacher's outputs among `array_defs(spec)`, in the same order."""
+    return [a for a in array_defs(spec) if a.is_output]
 
 
 def array_layout(spec: CacheSpec) -> dict[str, dict]:

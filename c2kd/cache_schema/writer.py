@@ -348,7 +348,7 @@ class CacheWriter:
             if a.rows == "examples":
                 data = np.asarray(per_example[a.field], dtype=a.dtype)
             else:
-                parts = [r.hidden[a.layer] if a.field == "hidden" else getattr(r, a.field) for r in records]
+                parts = [r.values(a) for r in records]
                 width = int(np.prod(a.columns)) if a.columns else 1
                 if a.is_float:
                     data = _floats(parts, width, spec.dtype)

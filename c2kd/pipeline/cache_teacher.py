@@ -25,15 +25,16 @@ import torch
 import torch.distributed as dist
 
 from c2kd import distributed
-from c2kd.cache_schema import CacheSpec, CacheWriter, ExampleRecord, fingerprint_files, fingerprint_tokenizer, plan_shards
+from c2kd.cache_schema import CacheSpec, CacheWriter, fingerprint_files, fingerprint_tokenizer, plan_shards
+from c2kd.cache_schema import schema as S
 from c2kd.cache_schema.dtypes import TORCH_DTYPES
 from c2kd.cache_schema.merge import part_plan
-from c2kd.cache_schema.plan import PlannedShard, ShardPlan
+from c2kd.cache_schema.plan import ShardPlan
 from c2kd.cache_schema.records import answer_positions
 from c2kd.cache_schema.schema import POSITIONS, STORAGE_DTYPES, Compression, LogitsPolicy, parse_part
 from c2kd.errors import C2KDError, CacheError
 from c2kd.data.examples import SPLITS, ExampleSet, fixed_subset, load_examples
-from c2kd.pipeline.shard_writers import WRITERS, BatchOutputs, ShardJob, ShardWriter, start_shard_writer, to_records
+from c2kd.pipeline.shard_writers import WRITERS, BatchOutputs, ShardJob, ShardWriter, start_shard_writer
 from c2kd.pipeline.vllm_backend import MECHANISMS, check_vllm
 from c2kd.recmodel import hf
 from c2kd.recmodel.layers import late_layers
@@ -49,7 +50,7 @@ class CacheTeacherSettings:
     splits: tuple[str, ...] = SPLITS
     layers: tuple[int, ...] | None = None  # None: late_layers(num_layers)
     positions: str = "all"  # hidden states at all tokens, or at answer positions only
-    logits: str = "exact"  # exact (head(final_hidden)), topk:K, full
+    logits: LogitsPolicy = LogitsPolicy("exact")  # exact (head(final_hidden)), topk:K, full; text is parsed here
     dtype: str = "bfloat16"
     compression: str = "zstd"
     max_tokens_per_batch: int = 8192  # padded tokens (batch x longest prompt) per forward
@@ -77,7 +78,8 @@ class CacheTeacherSettings:
             raise C2KDError(f"--positions {self.positions!r}: expected one of {', '.join(POSITIONS)}")
         if self.dtype not in STORAGE_DTYPES:
             raise C2KDError(f"--dtype {self.dtype!r}: expected one of {', '.join(STORAGE_DTYPES)}")
-        LogitsPolicy.parse(self.logits)
+        if not isinstance(self.logits, LogitsPolicy):  # `--logits` text: parsed once, here
+            object.__setattr__(self, "logits", LogitsPolicy.parse(self.logits))
         Compression.parse(self.compression)
         if self.max_examples is not None and self.max_examples < 1:
             raise C2KDError(f"--max-examples must be >= 1, got {self.max_examples}")
@@ -149,7 +151,9 @@ class TeacherRunner:
             raise CacheError("the teacher soft-caps its logits; the cache's head(final state) cannot represent that")
         if getattr(model.base_lm().get_output_embeddings(), "bias", None) is not None:
             raise CacheError("the teacher's LM head has a bias; the cache stores the head weight only")
-        self.dtype = TORCH_DTYPES[spec.dtype]
+        # what each output is cast to before it leaves the device: the cache's float dtype, or int32
+        self._storage = {a.name: TORCH_DTYPES[spec.dtype] if a.is_float else getattr(torch, a.dtype)
+                         for a in S.output_defs(spec)}
         self.forward_seconds = 0.0
 
     def encode(self, rows: Sequence[dict]) -> list[EncodedExample]:
@@ -167,37 +171,33 @@ class TeacherRunner:
 
     @torch.inference_mode()
     def run_batch(self, examples: Sequence[EncodedExample], indices: Sequence[int]) -> BatchOutputs:
-        """Teacher forward of one batch; what the cache keeps, cast to the cache dtype, on the CPU.
-        The final state is the one the head reads, so head(final_hidden) are the teacher's logits."""
-        policy = self.spec.logits_policy
+        """Teacher forward of one batch: every output the cache keeps (`schema.output_defs`), by
+        array name, in its storage dtype, on the CPU. The final state is the one the head reads,
+        so head(final_hidden) are the teacher's logits."""
+        spec, policy = self.spec, self.spec.logits
         final, hidden = self.forward(examples)
         answers = [answer_positions(torch.tensor(e.labels)) for e in examples]
         counts = [len(a) for a in answers]
         b_idx = torch.repeat_interleave(torch.arange(len(examples)), torch.tensor(counts, dtype=torch.long)).to(self.device)
         p_idx = torch.cat([torch.as_tensor(a, dtype=torch.long) for a in answers]).to(self.device)
         final_rows = final[b_idx, p_idx]  # [N_answers, d]
-        result = BatchOutputs(list(examples), list(indices), answers, counts, final_rows.to(self.dtype).cpu())
+        outputs = {S.FINAL_HIDDEN: final_rows}
+        for layer in spec.layers:  # [B, T, d] (positions all) or [N_answers, d]
+            outputs[S.hidden_array(layer)] = hidden[layer] if spec.positions == "all" else hidden[layer][b_idx, p_idx]
         if policy.kind != "exact":
             logits = self.model.head_logits(final_rows).float()
             if policy.kind == "topk":
                 top = logits.topk(policy.k, dim=-1)
-                result.topk_values, result.topk_indices = top.values.to(self.dtype).cpu(), top.indices.to(torch.int32).cpu()
+                outputs[S.TOPK_VALUES], outputs[S.TOPK_INDICES] = top.values, top.indices
             else:
-                result.full_logits = logits.to(self.dtype).cpu()
-        for layer in self.spec.layers:
-            h = hidden[layer]
-            h = h if self.spec.positions == "all" else h[b_idx, p_idx]
-            result.hidden[layer] = h.to(self.dtype).cpu()
-        return result
+                outputs[S.FULL_LOGITS] = logits
+        return BatchOutputs(list(examples), list(indices), answers, counts,
+                            {name: x.to(self._storage[name]).cpu() for name, x in outputs.items()})
 
     def shard_outputs(self, rows: Sequence[dict]) -> list[BatchOutputs]:
         """All teacher outputs of a shard's examples (rows in shard order), batch by batch."""
         encoded = self.encode(rows)
         return [self.run_batch([encoded[i] for i in batch], batch) for batch in self.batches(encoded)]
-
-    def records(self, shard: PlannedShard, rows: Sequence[dict]) -> list[ExampleRecord]:
-        """The cache records of a shard's examples (rows in shard order)."""
-        return to_records(self.shard_outputs(rows), shard.split, rows, self.spec.positions)
 
 
 # ---------------------------------------------------------------- the recipe
@@ -208,7 +208,7 @@ def build_spec(model: RecLM, examples: ExampleSet, teacher_dir: Path, settings: 
     bad = [layer for layer in layers if not 1 <= layer <= model.num_layers]
     if bad:
         raise C2KDError(f"--layers {list(layers)}: the teacher has layers 1..{model.num_layers}")
-    policy = LogitsPolicy.parse(settings.logits)
+    policy = settings.logits
     if policy.kind == "topk" and policy.k > model.vocab_size:
         raise C2KDError(f"--logits {settings.logits}: the teacher's vocabulary has {model.vocab_size:,} tokens")
     weights = sorted(teacher_dir.glob("*.safetensors"))
@@ -356,7 +356,7 @@ def write_shards(
             for shard in todo:
                 shard_rows = [rows[i] for i in shard.example_ids]
                 outputs = runner.shard_outputs(shard_rows)
-                background.put(ShardJob(shard.shard_id, shard.split, shard_rows, outputs, spec.positions))
+                background.put(ShardJob(shard.shard_id, shard.split, shard_rows, outputs, spec))
                 n_examples += len(shard_rows)
                 n_tokens += sum(len(e) for o in outputs for e in o.examples)
                 elapsed = max(time.perf_counter() - start, 1e-9)

@@ -5,7 +5,7 @@ per-example records, assembling arrays, zstd, checksums, fsync, the journal — 
 the forward waits only when `max_pending` finished shards are already queued.
 
 A process is the default: that work holds the GIL for long stretches, and as a thread it slowed a
-one-thread CPU forward by 10–20% even with a spare core (benchmarks/stage_one.py). Tensors reach the process as pickled bytes
+one-thread CPU forward even with a spare core (benchmarks/stage_one.py; docs/RESULTS.md). Tensors reach the process as pickled bytes
 through a pipe, one copy. The process dies with its parent (kill -9 included), so
 an interrupted run never leaves a second writer behind to race the resumed one.
 
@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.multiprocessing as mp
 
-from c2kd.cache_schema import CacheWriter, ExampleRecord
+from c2kd.cache_schema import CacheSpec, CacheWriter, ExampleRecord
+from c2kd.cache_schema.schema import output_defs
 from c2kd.errors import CacheError
 from c2kd.recmodel.prompts import EncodedExample
 
@@ -37,18 +38,15 @@ WRITERS = ("process", "thread")
 
 @dataclass
 class BatchOutputs:
-    """One batch's teacher outputs on the CPU: per-token [B, T, d] or per-answer [N, d] hidden
-    states, per-answer final states / logits ([N, ...], `counts` answers per example)."""
+    """One batch's teacher outputs on the CPU, by cache array name (`schema.output_defs`):
+    token-major ones right-padded [B, T, ...], answer-major ones [N, ...] (`counts` answers per
+    example, batch-major)."""
 
     examples: list[EncodedExample]
     indices: list[int]  # positions of the examples in their shard
     answers: list
     counts: list[int]
-    final: torch.Tensor
-    hidden: dict = field(default_factory=dict)
-    topk_values: torch.Tensor | None = None
-    topk_indices: torch.Tensor | None = None
-    full_logits: torch.Tensor | None = None
+    outputs: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -59,30 +57,28 @@ class ShardJob:
     split: str
     rows: list[dict]  # the shard's example rows, in shard order
     outputs: list[BatchOutputs]
-    positions: str
+    spec: CacheSpec
 
     def records(self) -> list[ExampleRecord]:
-        return to_records(self.outputs, self.split, self.rows, self.positions)
+        return to_records(self.outputs, self.split, self.rows, self.spec)
 
 
-def to_records(outputs: Sequence[BatchOutputs], split: str, rows: Sequence[dict], positions: str) -> list[ExampleRecord]:
+def to_records(outputs: Sequence[BatchOutputs], split: str, rows: Sequence[dict], spec: CacheSpec) -> list[ExampleRecord]:
     """Per-example cache records (in shard order) from batch outputs."""
+    row_kind = {a.name: a.rows for a in output_defs(spec)}
     records: list[ExampleRecord | None] = [None] * len(rows)
     for o in outputs:
-        split_rows = lambda x: x.split(o.counts) if x is not None else [None] * len(o.examples)  # noqa: E731
-        final, values, idx, full = (split_rows(x) for x in (o.final, o.topk_values, o.topk_indices, o.full_logits))
-        if positions == "all":
-            hidden = {layer: [h[b, : len(e)] for b, e in enumerate(o.examples)] for layer, h in o.hidden.items()}
-        else:
-            hidden = {layer: h.split(o.counts) for layer, h in o.hidden.items()}
+        per_example = {  # name -> one tensor per example of the batch
+            name: [x[b, : len(e)] for b, e in enumerate(o.examples)] if row_kind[name] == "tokens" else x.split(o.counts)
+            for name, x in o.outputs.items()
+        }
         for b, (e, i) in enumerate(zip(o.examples, o.indices)):
             r = rows[i]
             records[i] = ExampleRecord(
                 example_id=e.example_id, split=split, user=int(r["user"]), target=int(r["target"]),
                 history=r["history"], candidates=r["candidates"],
                 input_ids=torch.tensor(e.input_ids), slot_items=torch.tensor(e.slot_items), labels=torch.tensor(e.labels),
-                hidden={layer: hs[b] for layer, hs in hidden.items()}, final_hidden=final[b],
-                topk_values=values[b], topk_indices=idx[b], full_logits=full[b], _answers=o.answers[b],
+                outputs={name: xs[b] for name, xs in per_example.items()}, _answers=o.answers[b],
             )
     return records  # type: ignore[return-value]
 
