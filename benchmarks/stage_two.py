@@ -57,7 +57,7 @@ from c2kd.student.objective import DistillModel
 
 if __package__ in (None, ""):  # run as a file (python benchmarks/stage_two.py): the repository root, for `benchmarks.`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.live_teacher import live_teacher_batch  # noqa: E402
+from tests.live_teacher import live_teacher_batch  # noqa: E402  (the live-teacher batch the tests check the cache against)
 from benchmarks.common import write_result  # noqa: E402
 
 VARIANTS = ("c2kd-cache", "c2kd-items-cache", "sft-cache", "c2kd-live")

@@ -35,7 +35,7 @@ from c2kd.student.losses import logit_kd_loss, soft_cross_entropy
 from c2kd.student.objective import DistillModel
 from c2kd.training import TrainConfig, epoch_batches, read_log, train
 
-from benchmarks.live_teacher import live_teacher_batch
+from live_teacher import live_teacher_batch
 
 # ---------------------------------------------------------------- fixtures: teacher and caches
 
