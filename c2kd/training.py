@@ -77,7 +77,6 @@ class TrainConfig:
     bf16: bool = False
     keep_last: int = 2
     device: str = "auto"  # "auto" = cuda:LOCAL_RANK when available, else cpu
-    find_unused_parameters: bool = False  # DDP option for models whose steps skip some parameters
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -346,7 +345,6 @@ def train(
     if ddp:
         net = nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None,
-            find_unused_parameters=config.find_unused_parameters,
             broadcast_buffers=False,  # buffers here are constants (item embeddings, teacher heads): no per-step copy
         )
     use_bf16 = config.bf16 and (device.type == "cpu" or torch.cuda.is_bf16_supported())

