@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -47,11 +48,20 @@ def fsync_tree(root: Path) -> None:
 
 
 def check_destination(path: Path) -> None:
-    """Refuse, before any work, a destination whose parent cannot hold it (a file in the way)."""
+    """Refuse, before any work, a destination that cannot be created: a file in the way, or a nearest
+    existing folder that takes no new entries (read-only, /proc, no permission). The test is a
+    probe file created and removed at once, because permission bits do not say it (root, /proc)."""
     for ancestor in Path(path).absolute().parents:
         if ancestor.exists():
             if not ancestor.is_dir():
                 raise C2KDError(f"{path}: cannot be created, {ancestor} is a file, not a folder")
+            try:
+                fd, probe = tempfile.mkstemp(prefix=f"{TMP_PREFIX}probe-", dir=ancestor)
+                os.close(fd)
+                os.unlink(probe)
+            except OSError as e:
+                raise C2KDError(f"{path}: cannot be created, nothing can be written in {ancestor} "
+                                f"({e.strerror or type(e).__name__})") from None
             return
 
 

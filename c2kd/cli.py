@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import sys
 from pathlib import Path
@@ -15,10 +16,20 @@ import typer
 logging.getLogger("torchao").setLevel(logging.ERROR)
 logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 
-from c2kd.atomic import write_json
-from c2kd.cli_util import reporting_errors
+from c2kd.atomic import check_destination, write_json
+from c2kd.cli_util import finite_float, reporting_errors, within_64_bits
 from c2kd.errors import C2KDError
-from c2kd.training import TrainConfig  # its defaults are the training options' defaults
+
+# Where the options' defaults live: each option takes its default from the dataclass (or function)
+# that uses it, so a default is written down once.
+from c2kd.data.prepare import prepare as _prepare
+from c2kd.demo import DemoSettings
+from c2kd.deploy.export import export_ranker as _export_ranker
+from c2kd.finetune.teacher import LoraSettings, TeacherRecipe
+from c2kd.pipeline.cache_teacher import CacheTeacherSettings
+from c2kd.sasrec.train import SASRecTrainConfig, evaluate_sasrec as _evaluate_sasrec
+from c2kd.student.distill import DistillRecipe
+from c2kd.training import MAX_SEED, TrainConfig
 
 app = typer.Typer(help="c2kd: distil an LLM recommender into a small on-device one (C2KD).", no_args_is_help=True)
 cache_app = typer.Typer(help="Inspect, check and share teacher caches.", no_args_is_help=True)
@@ -38,6 +49,47 @@ def _main() -> None:
 
 # Each section below holds the thin command wrappers of one module; the work lives in the module.
 
+
+def _default(owner: object, name: str) -> object:
+    """The default of field `name` of a dataclass, or of parameter `name` of a function."""
+    if dataclasses.is_dataclass(owner):
+        field = next(f for f in dataclasses.fields(owner) if f.name == name)
+        return field.default_factory() if field.default is dataclasses.MISSING else field.default
+    return inspect.signature(owner).parameters[name].default
+
+
+def _numbers(kind: type | None, kw: dict) -> dict:
+    """Floats refuse nan and inf; ints refuse what would overflow 64 bits (unless bounded already)."""
+    if kind is float:
+        kw.setdefault("parser", finite_float)
+    elif kind is int and "max" not in kw:
+        kw.setdefault("callback", within_64_bits)
+    return kw
+
+
+def _field(owner: object, name: str, flag: str, text: str, **kw) -> typer.models.OptionInfo:
+    """An option whose default is the dataclass field's (or function parameter's) `name`."""
+    default = _default(owner, name)
+    if isinstance(default, tuple):
+        default = ",".join(map(str, default))
+    kind = None if isinstance(default, bool) else type(default) if isinstance(default, (int, float)) else None
+    return typer.Option(default, flag, help=text, **_numbers(kw.pop("kind", kind), kw))
+
+
+def _opt(flag: str, text: str, cls: type | None = None, name: str | None = None, kind: type | None = None,
+         **kw) -> typer.models.OptionInfo:
+    """An option that is None unless given; its help shows the dataclass default it falls back to."""
+    shown: bool | str = False
+    if cls is not None:
+        default = _default(cls, name or flag.lstrip("-").replace("-", "_"))
+        shown = str(default)
+        kind = kind or (type(default) if isinstance(default, (int, float)) and not isinstance(default, bool) else None)
+    return typer.Option(flag, help=text, show_default=shown, **_numbers(kind, kw))
+
+
+def _seed(owner: object, text: str) -> typer.models.OptionInfo:
+    return _field(owner, "seed", "--seed", text, min=0, max=MAX_SEED)
+
 # --- data: prepare ---
 
 
@@ -49,10 +101,9 @@ def prepare(
         "or a CSV/Parquet file with columns user,item,timestamp.",
     ),
     out: Path = typer.Option(..., "--out", help="Folder to write (train/validation/test/items Parquet + manifest)."),
-    seed: int = typer.Option(0, help="Seed of the candidate sampling."),
-    max_train_per_user: int | None = typer.Option(
-        None, "--max-train-per-user", help="Keep only the K most recent train windows per user."
-    ),
+    seed: int = _seed(_prepare, "Seed of the candidate sampling."),
+    max_train_per_user: int | None = _field(_prepare, "max_train_per_user", "--max-train-per-user",
+                                            "Keep only the K most recent train windows per user.", kind=int),
     items: Path | None = typer.Option(None, "--items", help="CSV/Parquet with item,title for a generic file."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing prepared folder."),
 ) -> None:
@@ -94,31 +145,28 @@ def prepare(
 def train_sasrec_cmd(
     data: Path = typer.Option(..., "--data", help="Prepared examples folder (from `c2kd prepare`)."),
     out: Path = typer.Option(..., "--out", help="Run folder to create."),
-    seed: int = typer.Option(0, help="Seed for initialisation, dropout and batch order."),
-    epochs: int | None = typer.Option(None, help="Maximum epochs (early stopping on validation). [default: 200]"),
-    batch_size: int | None = typer.Option(None, "--batch-size", help="Train examples per step. [default: 128]"),
-    lr: float | None = typer.Option(None, "--lr", help="AdamW learning rate. [default: 1e-3]"),
-    patience: int | None = typer.Option(
-        None, help="Stop after this many epochs without a better validation NDCG@10. [default: 10]"
-    ),
-    all_positions: bool = typer.Option(
-        True, "--all-positions/--last-position", help="Supervise every history position, or only the target."
-    ),
-    threads: int | None = typer.Option(None, "--threads", help="CPU threads for torch (default: torch's choice)."),
+    seed: int = _seed(SASRecTrainConfig, "Seed for initialisation, dropout and batch order."),
+    epochs: int = _field(SASRecTrainConfig, "epochs", "--epochs", "Maximum epochs (early stopping on validation)."),
+    batch_size: int = _field(SASRecTrainConfig, "batch_size", "--batch-size", "Train examples per step."),
+    lr: float = _field(SASRecTrainConfig, "lr", "--lr", "AdamW learning rate."),
+    patience: int = _field(SASRecTrainConfig, "patience", "--patience",
+                           "Stop after this many epochs without a better validation NDCG@10."),
+    all_positions: bool = _field(SASRecTrainConfig, "all_positions", "--all-positions/--last-position",
+                                 "Supervise every history position, or only the target."),
+    threads: int | None = typer.Option(None, "--threads", min=1, max=4096,
+                                       help="CPU threads for torch (default: torch's choice)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing run folder."),
 ) -> None:
     """Train the SASRec baseline; it also provides the item embeddings used in LM prompts."""
     import torch
 
-    from c2kd.sasrec.train import SASRecTrainConfig, train_sasrec
+    from c2kd.sasrec.train import train_sasrec
 
-    given = {"epochs": epochs, "batch_size": batch_size, "lr": lr, "patience": patience}
     with reporting_errors():
+        config = SASRecTrainConfig(seed=seed, epochs=epochs, batch_size=batch_size, lr=lr, patience=patience,
+                                   all_positions=all_positions)
         if threads is not None:
             torch.set_num_threads(threads)
-        config = SASRecTrainConfig(
-            seed=seed, all_positions=all_positions, **{k: v for k, v in given.items() if v is not None}
-        )
         metrics = train_sasrec(data, out, config, overwrite=overwrite, progress=True)
     typer.echo(
         f"selected epoch {metrics['selected_epoch']} of {metrics['epochs_run']} "
@@ -134,14 +182,13 @@ def train_sasrec_cmd(
 def evaluate_cmd(
     model: Path = typer.Option(..., "--model", help="Run folder of a trained model (SASRec or recommender LM)."),
     data: Path = typer.Option(..., "--data", help="Prepared examples folder the model was trained on."),
-    split: str = typer.Option("test", help="Split to evaluate: train, validation or test."),
+    split: str = _field(_evaluate_sasrec, "split", "--split", "Split to evaluate: train, validation or test."),
     out: Path | None = typer.Option(
         None, "--out", help="Also write the metrics to this JSON file, and the per-example results beside it "
         "(metrics.json -> predictions.parquet, NAME.json -> NAME.predictions.parquet)."),
 ) -> None:
     """Evaluate a trained model on one split: ranking of the 20 candidates (and more per model)."""
     with reporting_errors():
-        from c2kd.atomic import check_destination
         from c2kd.sasrec.train import read_run_config
 
         if out is not None:
@@ -196,35 +243,28 @@ def _print_metrics(results: dict[str, dict]) -> None:
 # --- options shared by the training commands (defaults live in TrainConfig and the recipes) ---
 
 
-def _default(cls: type, name: str) -> object:
-    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
-
-
-def _opt(flag: str, text: str, cls: type | None = None, name: str | None = None, **kw) -> typer.models.OptionInfo:
-    """A typer option whose help shows the dataclass default it falls back to (None = not given)."""
-    if cls is not None:
-        text += f" [default: {_default(cls, name or flag.lstrip('-').replace('-', '_'))}]"
-    return typer.Option(flag, help=text, show_default=False, **kw)
-
-
 Epochs = Annotated[Optional[int], _opt("--epochs", "Epochs over the train split.", TrainConfig)]
-MaxSteps = Annotated[Optional[int], _opt("--max-steps", "Optimizer steps to run (overrides --epochs).")]
+MaxSteps = Annotated[Optional[int], _opt("--max-steps", "Optimizer steps to run (overrides --epochs).", kind=int)]
 BatchSize = Annotated[Optional[int], _opt("--batch-size", "Examples per micro-batch (over all processes).", TrainConfig)]
 GradAccum = Annotated[Optional[int], _opt("--grad-accum", "Micro-batches per optimizer step.", TrainConfig)]
 Lr = Annotated[Optional[float], _opt("--lr", "Peak AdamW learning rate (linear warmup, cosine decay).", TrainConfig)]
 WeightDecay = Annotated[Optional[float], _opt("--weight-decay", "AdamW weight decay (matrices only).", TrainConfig)]
 WarmupRatio = Annotated[Optional[float], _opt("--warmup-ratio", "Share of the steps spent warming up.", TrainConfig)]
 MaxGradNorm = Annotated[Optional[float], _opt("--max-grad-norm", "Gradient clipping norm (0 = off).", TrainConfig)]
-CheckpointEvery = Annotated[Optional[int], _opt("--checkpoint-every", "Optimizer steps between checkpoints.", TrainConfig)]
+CheckpointEvery = Annotated[Optional[int], _opt("--checkpoint-every", "Optimizer steps between checkpoints "
+                                                                     "(0: only the final one).", TrainConfig)]
 EvalEvery = Annotated[Optional[str], _opt("--eval-every", "'epoch' or a number of optimizer steps between validations.", TrainConfig)]
-Seed = Annotated[Optional[int], _opt("--seed", "Seed of the initialisation, dropout and data order.", TrainConfig)]
+Seed = Annotated[Optional[int], _opt("--seed", "Seed of the initialisation, dropout and data order.", TrainConfig,
+                                     min=0, max=MAX_SEED)]
 Bf16 = Annotated[bool, typer.Option("--bf16", help="bfloat16 autocast for training and its validation (both stages of "
                                                     "distill): CPUs with AMX or AVX512-BF16, bf16-capable GPUs.")]
 Device = Annotated[Optional[str], _opt("--device", "auto (cuda:LOCAL_RANK if available, else cpu), cpu, cuda, cuda:1, ...", TrainConfig)]
-MaxTrain = Annotated[Optional[int], _opt("--max-train", "Train on a fixed random subset of this many examples.")]
-MaxVal = Annotated[Optional[int], _opt("--max-val", "Select the best state on the first N validation examples.")]
+MaxTrain = Annotated[Optional[int], _opt("--max-train", "Train on a fixed random subset of this many examples.", kind=int)]
+MaxVal = Annotated[Optional[int], _opt("--max-val", "Select the best state on the first N validation examples.", kind=int)]
 Shrink = Annotated[Optional[str], _opt("--shrink", "A student of a pretrained model with its tokenizer: first:K (its first K layers, "
                                                    "pretrained weights) or narrow:WIDTHxLAYERS (same family, random init).")]
+ItemHelp = ("Score items with their token row (token) or with it plus the projected SASRec embedding (hybrid, ids "
+            "only); auto: hybrid for ids.")
 KeepCheckpoints = Annotated[bool, typer.Option("--keep-checkpoints", help="Keep OUT.partial/ (checkpoints) after finishing.")]
 Overwrite = Annotated[bool, typer.Option("--overwrite", help="Replace an existing model folder.")]
 ShowProgress = Annotated[bool, typer.Option("--progress/--no-progress", help="Show progress bars.")]
@@ -260,15 +300,15 @@ def train_teacher_cmd(
     data: Path = typer.Option(..., "--data", help="Prepared examples folder (from `c2kd prepare`)."),
     sasrec: Path = typer.Option(..., "--sasrec", help="SASRec run folder (its item embeddings go into the prompts)."),
     out: Path = typer.Option(..., "--out", help="Model folder to create (work in progress lives in OUT.partial/)."),
-    fmt: str = typer.Option("ids", "--format", help="Prompt format: ids (one token per item) or llara (titles + slots)."),
-    model: str = typer.Option("tiny-teacher", "--model", help="A preset (tiny-teacher, tiny-student, micro), a pretrained alias (smollm2-135m, gemma3-270m), a Hugging Face folder, a .gguf file or a saved model folder."),
+    fmt: str = _field(TeacherRecipe, "fmt", "--format", "Prompt format: ids (one token per item) or llara (titles + slots)."),
+    model: str = _field(TeacherRecipe, "model", "--model", "A preset (tiny-teacher, tiny-student, micro), a pretrained alias (smollm2-135m, gemma3-270m), a Hugging Face folder, a .gguf file or a saved model folder."),
     shrink: Shrink = None,
-    item_head: str = typer.Option("auto", "--item-head", help="Score items with their token row (token) or with it plus the projected SASRec embedding (hybrid, ids only); auto: hybrid for ids."),
-    lora_r: Optional[int] = typer.Option(None, "--lora-r", help="Train LoRA adapters of this rank (plus item-token rows and projector) instead of all weights."),
-    lora_alpha: Optional[float] = typer.Option(None, "--lora-alpha", help="LoRA alpha (default 2 x rank)."),
-    lora_dropout: float = typer.Option(0.05, "--lora-dropout", help="Dropout on the LoRA inputs."),
-    history_loss: float = typer.Option(0.0, "--history-loss", help="ids: also train every history item token to name the next history item (SASRec's every-position objective), with this weight."),
-    sasrec_kd: float = typer.Option(0.0, "--sasrec-kd", help="ids: also distil the SASRec run's catalog distribution into the answer item's logits (KL, this weight): collaborative knowledge for a pretrained LM."),
+    item_head: str = _field(TeacherRecipe, "item_head", "--item-head", ItemHelp),
+    lora_r: Optional[int] = typer.Option(None, "--lora-r", max=2**16, help="Train LoRA adapters of this rank (plus item-token rows and projector) instead of all weights."),
+    lora_alpha: Annotated[Optional[float], _opt("--lora-alpha", "With --lora-r: LoRA alpha (default 2 x rank).", kind=float)] = None,
+    lora_dropout: Annotated[Optional[float], _opt("--lora-dropout", "With --lora-r: dropout on the LoRA inputs.", LoraSettings, "dropout")] = None,
+    history_loss: float = _field(TeacherRecipe, "history_loss", "--history-loss", "ids: also train every history item token to name the next history item (SASRec's every-position objective), with this weight."),
+    sasrec_kd: float = _field(TeacherRecipe, "sasrec_kd", "--sasrec-kd", "ids: also distil the SASRec run's catalog distribution into the answer item's logits (KL, this weight): collaborative knowledge for a pretrained LM."),
     epochs: Epochs = None, max_steps: MaxSteps = None, batch_size: BatchSize = None, grad_accum: GradAccum = None,
     lr: Lr = None, weight_decay: WeightDecay = None, warmup_ratio: WarmupRatio = None, max_grad_norm: MaxGradNorm = None,
     checkpoint_every: CheckpointEvery = None, eval_every: EvalEvery = None, seed: Seed = None, bf16: Bf16 = False,
@@ -280,12 +320,15 @@ def train_teacher_cmd(
     Rerun the same command after an interruption to resume from the last checkpoint. Launch with
     `torchrun --nproc_per_node N -m c2kd.cli train-teacher ...` for data-parallel training."""
     from c2kd.distributed import is_main_process
-    from c2kd.finetune.teacher import LoraSettings, TeacherRecipe, train_teacher
+    from c2kd.finetune.teacher import train_teacher
 
     with reporting_errors():
+        if lora_r is None and (lora_alpha is not None or lora_dropout is not None):
+            raise C2KDError("--lora-alpha and --lora-dropout set up LoRA adapters: give their rank with --lora-r")
+        lora = {k: v for k, v in {"alpha": lora_alpha, "dropout": lora_dropout}.items() if v is not None}
         recipe = TeacherRecipe(
             fmt=fmt, model=model, shrink=shrink, item_head=item_head, max_train=max_train, max_val=max_val,
-            lora=LoraSettings(r=lora_r, alpha=lora_alpha, dropout=lora_dropout) if lora_r is not None else None,
+            lora=LoraSettings(r=lora_r, **lora) if lora_r is not None else None,
             history_loss=history_loss, sasrec_kd=sasrec_kd,
         )
         config = _train_config(epochs=epochs, max_steps=max_steps, batch_size=batch_size, grad_accum=grad_accum, lr=lr,
@@ -307,12 +350,20 @@ def train_teacher_cmd(
 
 
 def _int_list(text: str | None, option: str) -> tuple[int, ...] | None:
-    if not text:
+    """Comma-separated integers; None when the option is not given (an empty value is refused, not
+    taken for the default)."""
+    if text is None:
         return None
     try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
+        values = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
         raise C2KDError(f"{option} {text!r}: expected comma-separated integers, e.g. 24,26,28,30") from None
+    if not values:
+        raise C2KDError(f"{option} {text!r}: give at least one layer number, e.g. 24,26,28,30 (or leave the option out)")
+    return values
+
+
+CTS = CacheTeacherSettings
 
 
 @app.command("cache-teacher")
@@ -320,31 +371,31 @@ def cache_teacher_cmd(
     teacher: Path = typer.Option(..., "--teacher", help="Trained teacher model folder (from `c2kd train-teacher`)."),
     data: Path = typer.Option(..., "--data", help="Prepared examples folder the teacher was trained on."),
     out: Path = typer.Option(..., "--out", help="Cache folder to write (rerun the same command to resume)."),
-    splits: str = typer.Option("train,validation,test", "--splits", help="Comma-separated splits to cache."),
+    splits: str = _field(CTS, "splits", "--splits", "Comma-separated splits to cache."),
     layers: Optional[str] = typer.Option(None, "--layers", help="Comma-separated teacher layers (1-indexed); default: the late layers L-s..L-4s, s = max(1, L // 16)."),
-    positions: str = typer.Option("all", "--positions", help="Hidden states at all tokens (all) or at answer positions only (answer)."),
-    logits: str = typer.Option("exact", "--logits", help="exact (recomputed from final hidden states + stored head), topk:K, or full."),
-    dtype: str = typer.Option("bfloat16", "--dtype", help="Stored float dtype: bfloat16, float16 or float32."),
-    compression: str = typer.Option("zstd", "--compression", help="zstd, zstd:LEVEL or none."),
-    max_tokens_per_batch: int = typer.Option(8192, "--max-tokens-per-batch", help="Padded tokens per teacher forward (length-bucketed batches)."),
-    examples_per_shard: int = typer.Option(256, "--examples-per-shard", help="Examples per shard (the unit of writing, resuming and reading)."),
-    device: str = typer.Option("auto", "--device", help="auto (cuda:LOCAL_RANK if available, else cpu), cpu, cuda, cuda:1, ..."),
-    writer: str = typer.Option("process", "--writer", help="Write shards from a background process (keeps the GIL off the forward) or a thread."),
-    part: str = typer.Option("", "--part", help="i/n: write part i of n (one per machine), then `c2kd cache merge` the n parts."),
-    max_examples: Optional[int] = typer.Option(None, "--max-examples", help="Cache only this many examples per split: the fixed subset `train-teacher --max-train N` trains on."),
-    backend: str = typer.Option("transformers", "--backend", help="What runs the teacher: transformers, or vllm (its own install; see the README)."),
-    tensor_parallel: int = typer.Option(1, "--tensor-parallel", help="vLLM: GPUs to split the teacher over."),
-    vllm_states: str = typer.Option("auto", "--vllm-states", help="vLLM: how the layers come back: extract (vLLM's extract_hidden_states, compiled graphs), hooks (eager model), or auto (extract where the model and prompts allow it)."),
-    progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar."),
+    positions: str = _field(CTS, "positions", "--positions", "Hidden states at all tokens (all) or at answer positions only (answer)."),
+    logits: str = _field(CTS, "logits", "--logits", "exact (recomputed from final hidden states + stored head), topk:K, or full."),
+    dtype: str = _field(CTS, "dtype", "--dtype", "Stored float dtype: bfloat16, float16 or float32."),
+    compression: str = _field(CTS, "compression", "--compression", "zstd, zstd:LEVEL or none."),
+    max_tokens_per_batch: int = _field(CTS, "max_tokens_per_batch", "--max-tokens-per-batch", "Padded tokens per teacher forward (length-bucketed batches)."),
+    examples_per_shard: int = _field(CTS, "examples_per_shard", "--examples-per-shard", "Examples per shard (the unit of writing, resuming and reading)."),
+    device: str = _field(CTS, "device", "--device", "auto (cuda:LOCAL_RANK if available, else cpu), cpu, cuda, cuda:1, ..."),
+    writer: str = _field(CTS, "writer", "--writer", "Write shards from a background process (keeps the GIL off the forward) or a thread."),
+    part: str = _field(CTS, "part", "--part", "i/n: write part i of n (one per machine), then `c2kd cache merge` the n parts."),
+    max_examples: Optional[int] = _field(CTS, "max_examples", "--max-examples", "Cache only this many examples per split: the fixed subset `train-teacher --max-train N` trains on.", kind=int),
+    backend: str = _field(CTS, "backend", "--backend", "What runs the teacher: transformers, or vllm (its own install; see the README)."),
+    tensor_parallel: int = _field(CTS, "tensor_parallel", "--tensor-parallel", "vLLM: GPUs to split the teacher over."),
+    vllm_states: str = _field(CTS, "vllm_states", "--vllm-states", "vLLM: how the layers come back: extract (vLLM's extract_hidden_states, compiled graphs), hooks (eager model), or auto (extract where the model and prompts allow it)."),
+    progress: bool = _field(CTS, "progress", "--progress/--no-progress", "Show a progress bar."),
 ) -> None:
     """Stage one: run the teacher once and write the teacher cache (sharded Zarr + Parquet index).
 
     Launch with `torchrun --nproc-per-node N -m c2kd.cli cache-teacher ...` to cache with N
     processes (each writes its own shards; rank 0 seals the manifest)."""
-    from c2kd.pipeline.cache_teacher import CacheTeacherSettings, cache_teacher
+    from c2kd.pipeline.cache_teacher import cache_teacher
 
     with reporting_errors():
-        settings = CacheTeacherSettings(
+        settings = CTS(
             splits=tuple(s.strip() for s in splits.split(",") if s.strip()), layers=_int_list(layers, "--layers"),
             positions=positions, logits=logits, dtype=dtype, compression=compression,
             max_tokens_per_batch=max_tokens_per_batch, examples_per_shard=examples_per_shard, device=device,
@@ -396,12 +447,13 @@ def cache_info_cmd(
         return
     table = Table(title=f"teacher cache {info['path']}", show_header=False)
     table.add_column("field")
-    table.add_column("value")
+    table.add_column("value", overflow="fold")  # whole identities and fingerprints, to copy
     status = "complete" if info["complete"] else f"INCOMPLETE ({info.get('shards_written', '?')} shards written so far)"
     splits = ", ".join(f"{k} {v:,}" for k, v in info["splits"].items()) or "-"
     rows = [
         ("status", status),
-        ("digest (identity)", str(info["digest"] or "- (not sealed)")),
+        ("content identity", str(info.get("content_id") or "- (not sealed)")),
+        ("digest (of the manifest)", str(info["digest"] or "- (not sealed)")),
         ("schema version", str(info["schema_version"])),
         ("created by", f"{info['created_by']} at {info['created_at']}"),
         ("teacher", f"{info['teacher']} ({info['teacher_layers']} layers, width {info['hidden_size']}, vocab {info['vocab_size']:,})"),
@@ -441,14 +493,13 @@ def cache_verify_cmd(
         report = verify_cache(cache, progress=lambda done, total: progress.update(task, completed=done, total=total))
     console = Console()
     if report.ok:
-        console.print(f"[green]ok[/green]: {report.shards_checked} shards, {_human_bytes(report.bytes_checked)} checked — {report.path}")
+        console.print(f"[green]ok[/green]: {report.shards_checked} shards, {_human_bytes(report.bytes_checked)} checked — "
+                      f"{report.path}; content identity {report.content_id}", soft_wrap=True)
         return
     from c2kd.cli_util import one_line_error
 
-    for problem in report.problems:  # one line per problem, each naming its file or manifest field
+    for problem in report.problems:  # one line per problem, each naming its file (and shard) or manifest field
         one_line_error(problem)
-    if report.bad_shards:
-        one_line_error(f"bad shard(s): {', '.join(report.bad_shards)}")
     raise typer.Exit(code=1)
 
 def _transfer(label: str, run, where: str) -> None:
@@ -460,17 +511,17 @@ def _transfer(label: str, run, where: str) -> None:
         task = bar.add_task(label, total=None)
         result = run(lambda done, total: bar.update(task, completed=done, total=total))
     if result["already_there"]:
-        typer.echo(f"{where} already holds this cache (digest {result['digest']})")
+        typer.echo(f"{where} already holds this cache (content identity {result['content_id']}, digest {result['digest']})")
         return
     moved = result.get("files_sent", result.get("files_fetched")), result.get("bytes_sent", result.get("bytes_fetched"))
     typer.echo(f"{label}: {moved[0]} files ({_human_bytes(moved[1])}) copied, {result['files_skipped']} already "
-               f"there; digest {result['digest']}")
+               f"there; content identity {result['content_id']}, digest {result['digest']}")
 
 
 @cache_app.command("push")
 def cache_push_cmd(
     cache: Path = typer.Argument(..., help="A complete local cache folder."),
-    url: str = typer.Argument(..., help="Where to put it: s3://bucket/path, gs://..., hf://..., file://... (fsspec)."),
+    url: str = typer.Argument(..., help="Where to put it: s3://bucket/path, gs://..., hf://... (fsspec), or a folder: file:///shared/caches/x or a path."),
 ) -> None:
     """Copy a cache to object storage, file by file, manifest last; rerun to resume."""
     from c2kd.cache_schema.transfer import push
@@ -480,9 +531,9 @@ def cache_push_cmd(
 
 @cache_app.command("pull")
 def cache_pull_cmd(
-    url: str = typer.Argument(..., help="The cache's URL (s3://, gs://, hf://, https://, file://)."),
+    url: str = typer.Argument(..., help="The cache's URL (s3://, gs://, hf://, https://, file://) or folder."),
     out: Path = typer.Argument(..., help="An empty or new local folder (or a cut pull of the same cache, resumed)."),
-    expect: Optional[str] = typer.Option(None, "--expect", help="The cache digest you expect (at least 8 hex digits); anything else is refused."),
+    expect: Optional[str] = typer.Option(None, "--expect", help="The cache you expect: 8 to 64 hex digits of its content identity or its digest (`c2kd cache info`); anything else is refused."),
 ) -> None:
     """Copy a cache from a URL, every file checked against the manifest on arrival; rerun to resume."""
     from c2kd.cache_schema.transfer import pull
@@ -500,35 +551,52 @@ def cache_merge_cmd(
 
     with reporting_errors():
         manifest = merge_caches(parts, out)
+    from c2kd.cache_schema.identity import content_identity
+
     typer.echo(f"merged {len(parts)} parts into {out}: {len(manifest['shards'])} shards, "
-               f"{manifest['totals']['examples']:,} examples; digest {manifest['digest']}")
+               f"{manifest['totals']['examples']:,} examples; content identity {content_identity(manifest)}")
 
 
 # --- stage two: distill ---
 
 
+DR = DistillRecipe
+
+
+def _check_read_cache(read_cache: Path, cache: str) -> None:
+    """--read-cache keeps the files of a cache at a URL: refused for a local cache, and where no folder can be."""
+    from c2kd.cache_schema.storage import CacheLocation
+
+    if CacheLocation(cache).is_local:
+        raise C2KDError(f"--read-cache keeps the files of a cache read from a URL; --cache {cache} is a local folder "
+                        "(leave --read-cache out)")
+    if read_cache.exists() and not read_cache.is_dir():
+        raise C2KDError(f"--read-cache {read_cache}: a file, not a folder")
+    check_destination(read_cache / "x")
+
+
 @app.command("distill")
 def distill_cmd(
     cache: str = typer.Option(..., "--cache", help="Teacher cache (a folder or an https:// / s3:// URL); the only teacher input."),
-    student: str = typer.Option("tiny-student", "--student", help="A preset (tiny-student, micro, ...) built with the cache's tokenizer, a pretrained alias or folder with --shrink, or a saved model folder."),
+    student: str = _field(DR, "student", "--student", "A preset (tiny-student, micro, ...) built with the cache's tokenizer, a pretrained alias or folder with --shrink, or a saved model folder."),
     shrink: Shrink = None,
-    item_head: str = typer.Option("auto", "--item-head", help="The student scores items with their token row (token) or plus the projected SASRec embedding (hybrid, ids only); auto: hybrid for ids."),
+    item_head: str = _field(DR, "item_head", "--item-head", ItemHelp),
     out: Path = typer.Option(..., "--out", help="Student model folder to create (work in progress lives in OUT.partial/)."),
     data: Path = typer.Option(..., "--data", help="Prepared examples folder the cache was built from (validation and test)."),
-    method: str = typer.Option("c2kd", "--method", help="c2kd | sft | logit-kd | feature-kd."),
-    router: str = typer.Option("top1", "--router", help="C2KD router: top1 (paper), soft, or fixed:L (no router, teacher layer L)."),
+    method: str = _field(DR, "method", "--method", "c2kd | sft | logit-kd | feature-kd."),
+    router: str = _field(DR, "router", "--router", "C2KD router: top1 (paper), soft, or fixed:L (no router, teacher layer L)."),
     router_layers: Optional[str] = typer.Option(None, "--router-layers", help="Comma-separated cached teacher layers the C2KD router chooses among [default: every cached layer]; for a cache that also holds early layers for feature KD."),
-    cross_head: bool = typer.Option(True, "--cross-head/--no-cross-head", help="Score student features with the teacher's head (off: the student's own head)."),
-    orth: bool = typer.Option(True, "--orth/--no-orth", help="Orthogonality loss on the cross-head projection."),
-    w_feat: float = typer.Option(0.5, "--w-feat", help="Weight of the feature loss."),
-    w_logit: float = typer.Option(0.5, "--w-logit", help="Weight of the logit loss."),
-    w_orth: float = typer.Option(0.05, "--w-orth", help="Weight of the orthogonality loss."),
-    tau: float = typer.Option(1.0, "--tau", help="Softmax temperature of the logit losses."),
-    w_own_logit: float = typer.Option(0.0, "--w-own-logit", help="c2kd: weight of a vanilla logit-KD term on the student's own head, added to the cross-head loss (0: the paper's C2KD)."),
-    kd_over: str = typer.Option("vocab", "--kd-over", help="Support of the logit losses: vocab (the paper), items (the item tokens at the item-predicting answer, ids only; far cheaper) or candidates (as items, narrowed to the example's candidates: the ranking the metrics measure)."),
-    stage1_epochs: int = typer.Option(1, "--stage1-epochs", help="Epochs of stage 1 (layer filters on cached teacher states; c2kd only)."),
-    stage1_lr: float = typer.Option(1e-3, "--stage1-lr", help="Learning rate of stage 1."),
-    select_metric: str = typer.Option("NDCG@10", "--select-metric", help="Validation metric that picks the best state."),
+    cross_head: bool = _field(DR, "cross_head", "--cross-head/--no-cross-head", "Score student features with the teacher's head (off: the student's own head)."),
+    orth: bool = _field(DR, "orth", "--orth/--no-orth", "Orthogonality loss on the cross-head projection."),
+    w_feat: float = _field(DR, "w_feat", "--w-feat", "Weight of the feature loss."),
+    w_logit: float = _field(DR, "w_logit", "--w-logit", "Weight of the logit loss."),
+    w_orth: float = _field(DR, "w_orth", "--w-orth", "Weight of the orthogonality loss."),
+    tau: float = _field(DR, "tau", "--tau", "Softmax temperature of the logit losses."),
+    w_own_logit: float = _field(DR, "w_own_logit", "--w-own-logit", "c2kd: weight of a vanilla logit-KD term on the student's own head, added to the cross-head loss (0: the paper's C2KD)."),
+    kd_over: str = _field(DR, "kd_over", "--kd-over", "Support of the logit losses: vocab (the paper), items (the item tokens at the item-predicting answer, ids only) or candidates (as items, narrowed to the example's candidates: the ranking the metrics measure)."),
+    stage1_epochs: int = _field(DR, "stage1_epochs", "--stage1-epochs", "Epochs of stage 1 (layer filters on cached teacher states; c2kd only)."),
+    stage1_lr: float = _field(DR, "stage1_lr", "--stage1-lr", "Learning rate of stage 1."),
+    select_metric: str = _field(DR, "select_metric", "--select-metric", "Validation metric that picks the best state."),
     read_cache: Optional[Path] = typer.Option(None, "--read-cache", help="For a cache at a URL: a local folder keeping each fetched file, so it is fetched once [default: $C2KD_HOME/remote-caches]."),
     epochs: Epochs = None, max_steps: MaxSteps = None, batch_size: BatchSize = None, grad_accum: GradAccum = None,
     lr: Lr = None, weight_decay: WeightDecay = None, warmup_ratio: WarmupRatio = None, max_grad_norm: MaxGradNorm = None,
@@ -541,10 +609,12 @@ def distill_cmd(
     Rerun the same command after an interruption to resume. Launch with
     `torchrun --nproc_per_node N -m c2kd.cli distill ...` for data-parallel training."""
     from c2kd.distributed import is_main_process
-    from c2kd.student.distill import DistillRecipe, distill
+    from c2kd.student.distill import distill
 
     with reporting_errors():
-        recipe = DistillRecipe(
+        if read_cache is not None:
+            _check_read_cache(read_cache, cache)
+        recipe = DR(
             method=method, student=student, shrink=shrink, item_head=item_head, router=router,
             router_layers=_int_list(router_layers, "--router-layers"), cross_head=cross_head,
             orth=orth, w_feat=w_feat, w_logit=w_logit, w_orth=w_orth, tau=tau, w_own_logit=w_own_logit, kd_over=kd_over,
@@ -565,6 +635,7 @@ def distill_cmd(
             f"test {summary}; model folder: {out}"
         )
 
+
 # --- deployment: export / recommend ---
 
 
@@ -573,8 +644,8 @@ def export_cmd(
     model: Path = typer.Option(..., "--model", help="A saved recommender folder (teacher or student, ids format)."),
     data: Path = typer.Option(..., "--data", help="Prepared examples folder it was trained on (its item titles go along)."),
     out: Path = typer.Option(..., "--out", help="Folder to write: model.onnx (or model.pte) + ranker.json."),
-    fmt: str = typer.Option("onnx", "--format", help="onnx, or executorch (a .pte for the XNNPACK backend; the executorch extra)."),
-    quantize: str = typer.Option("none", "--quantize", help="none or int8 (dynamic quantisation of the weights)."),
+    fmt: str = _field(_export_ranker, "fmt", "--format", "onnx, or executorch (a .pte for the XNNPACK backend; the executorch extra)."),
+    quantize: str = _field(_export_ranker, "quantize", "--quantize", "none or int8 (dynamic quantisation of the weights)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing folder."),
 ) -> None:
     """Export a recommender as one graph that ranks items: ONNX (onnxruntime alone, no PyTorch) or ExecuTorch."""
@@ -587,7 +658,8 @@ def export_cmd(
         examples = load_examples(data)
         with warnings.catch_warnings():  # the tracer's notes about Python control flow in the model
             warnings.simplefilter("ignore")
-            folder = export_ranker(model, out, examples.titles(), quantize=quantize, overwrite=overwrite, fmt=fmt)
+            folder = export_ranker(model, out, examples.titles(), quantize=quantize, overwrite=overwrite, fmt=fmt,
+                                   data_fingerprint=examples.fingerprint)
     size = sum(p.stat().st_size for p in folder.iterdir())
     kind = {"onnx": "ONNX", "executorch": "ExecuTorch (XNNPACK)"}[fmt]
     typer.echo(f"exported {model} to {folder}: {kind}, {_human_bytes(size)}, "
@@ -598,10 +670,10 @@ def export_cmd(
 def recommend_cmd(
     model: Path = typer.Option(..., "--model", help="A saved recommender folder, or an exported ranker folder."),
     data: Path = typer.Option(..., "--data", help="Prepared examples folder (users, titles)."),
-    user: Optional[int] = typer.Option(None, "--user", help="A user of the data (internal id 0..U-1): ranks their test candidates."),
+    user: Optional[int] = typer.Option(None, "--user", callback=within_64_bits, help="A user of the data (internal id 0..U-1): ranks their test candidates."),
     history: Optional[str] = typer.Option(None, "--history", help="A made-up user: watched titles, 'Title A; Title B; ...'."),
-    candidates: Optional[str] = typer.Option(None, "--candidates", help="With --history: titles to choose from (default: the 20 most watched)."),
-    top: int = typer.Option(10, "--top", help="How many recommendations to show."),
+    candidates: Optional[str] = typer.Option(None, "--candidates", help="With --history: titles to choose from, none of them watched (default: the 20 most watched the user has not)."),
+    top: int = typer.Option(10, "--top", callback=within_64_bits, help="How many recommendations to show."),
 ) -> None:
     """Show a user's recent history and what the model recommends next, with titles and scores."""
     from rich.console import Console
@@ -615,6 +687,9 @@ def recommend_cmd(
             raise C2KDError("give either --user U (a user of the data) or --history 'Title A; Title B'")
         if top < 1:
             raise C2KDError(f"--top must be >= 1, got {top}")
+        if candidates is not None and history is None:
+            raise C2KDError("--candidates goes with --history; a user of the data (--user) is ranked on their own "
+                            "test candidates")
         examples = load_examples(data)
         request = user_request(examples, user) if user is not None else made_up_request(examples, history, candidates)
         ranked = rank(model, request, examples, top)
@@ -637,21 +712,24 @@ def recommend_cmd(
 @app.command("demo")
 def demo_command(
     out: Optional[Path] = typer.Option(None, "--out", help="Run folder (default: runs/demo-<date-time>)."),
-    seed: int = typer.Option(0, "--seed"),
-    teacher_epochs: Optional[int] = typer.Option(None, "--teacher-epochs", help="Default: the demo's preset."),
-    student_epochs: Optional[int] = typer.Option(None, "--student-epochs", help="Default: the demo's preset."),
-    max_train_per_user: Optional[int] = typer.Option(None, "--max-train-per-user", help="Default: the demo's preset."),
+    seed: int = _seed(DemoSettings, "Seed of every stage."),
+    teacher_epochs: int = _field(DemoSettings, "teacher_epochs", "--teacher-epochs", "Epochs of the teacher.", min=1),
+    student_epochs: int = _field(DemoSettings, "student_epochs", "--student-epochs", "Epochs of each student.", min=1),
+    max_train_per_user: int = _field(DemoSettings, "max_train_per_user", "--max-train-per-user", "Train windows per user (the most recent ones).", min=1),
     bf16: Optional[bool] = typer.Option(None, "--bf16/--no-bf16", help="bfloat16 autocast for training and its "
                                         "validation (the table's test metrics stay float32). Default: on where the CPU "
                                         "has native bf16 (AMX or AVX512-BF16)."),
 ) -> None:
     """The whole pipeline on MovieLens-100k with small presets (minutes on a CPU), ending in a comparison table."""
-    from c2kd.demo import DemoSettings, run_demo
+    from c2kd.demo import run_demo
 
-    given = {"teacher_epochs": teacher_epochs, "student_epochs": student_epochs, "max_train_per_user": max_train_per_user,
-             "bf16": bf16}
     with reporting_errors():
-        run_demo(out, DemoSettings(seed=seed, **{k: v for k, v in given.items() if v is not None}))
+        if out is not None:
+            if out.exists() and (not out.is_dir() or any(out.iterdir())):
+                raise C2KDError(f"--out {out}: exists and is not an empty folder; choose another --out")
+            check_destination(out)
+        run_demo(out, DemoSettings(seed=seed, teacher_epochs=teacher_epochs, student_epochs=student_epochs,
+                                   max_train_per_user=max_train_per_user, bf16=bf16))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -668,7 +746,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except ClickException as mistake:
         ctx = getattr(mistake, "ctx", None)
-        one_line_error(f"{mistake.format_message()} (see `{ctx.command_path if ctx else 'c2kd'} --help`)")
+        message = mistake.format_message().replace("Value error, ", "")  # a parser's ValueError, as typer words it
+        one_line_error(f"{message} (see `{ctx.command_path if ctx else 'c2kd'} --help`)")
         return mistake.exit_code
     except typer.Abort:
         one_line_error("interrupted")

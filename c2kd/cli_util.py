@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -17,6 +18,26 @@ except ImportError:  # pragma: no cover - older typer on the real click
     from click.exceptions import ClickException, NoArgsIsHelpError
 
 err_console = Console(stderr=True)
+
+MAX_COUNT = 2**63 - 1  # the largest count an option takes: beyond it numpy and polars overflow
+
+
+def within_64_bits(value: int | None) -> int | None:
+    """The callback of a count option: a number numpy and polars can hold (None: not given)."""
+    if value is not None and abs(value) > MAX_COUNT:
+        raise typer.BadParameter(f"{value} is beyond the largest count, {MAX_COUNT}")
+    return value
+
+
+def finite_float(text: str) -> float:
+    """The value of a float option; nan and inf are refused (a NaN loss weight trains a NaN model)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise ValueError(f"{text!r} is not a finite number")
+    return value
 
 
 @contextmanager

@@ -57,6 +57,7 @@ from c2kd.errors import C2KDError
 # Config fields that may change between a run and its resumption; all others must match.
 _RESUMABLE_CHANGES = {"out_dir", "checkpoint_every", "keep_last", "log_every", "progress", "device"}
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
+MAX_SEED = 2**32 - 1  # torch and numpy take any seed in 0..2**32 - 1; larger ones overflow inside torch
 
 
 @dataclass
@@ -80,6 +81,11 @@ class TrainConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
+        for name in ("lr", "weight_decay", "warmup_ratio", "max_grad_norm"):  # nan passes every comparison below
+            if getattr(self, name) is not None and not math.isfinite(getattr(self, name)):
+                raise C2KDError(f"--{name.replace('_', '-')} must be a finite number, got {getattr(self, name)}")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise C2KDError(f"--seed must be in 0..{MAX_SEED}, got {self.seed}")
         for name in ("batch_size", "grad_accum", "epochs", "log_every", "keep_last"):
             if getattr(self, name) < 1:
                 raise C2KDError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -92,6 +98,7 @@ class TrainConfig:
             raise C2KDError(f"need lr > 0 and 0 <= warmup_ratio < 1 (got {self.lr}, {self.warmup_ratio})")
         if self.eval_every != "epoch" and not (isinstance(self.eval_every, int) and self.eval_every >= 1):
             raise C2KDError(f"eval_every must be 'epoch' or a number of steps >= 1, got {self.eval_every!r}")
+        distributed.pick_device(self.device)  # refused here, before a run folder is created, not at the first step
 
 
 @dataclass

@@ -44,7 +44,8 @@ def env(tiny_examples_dir, tiny_source, tmp_path_factory) -> dict:
                                                                        for i in range(8)))
     (titles_nul / "t.csv").write_text("item,title\n1,Good Film\n2,Bad\x00Film\n")
     return {"data": str(tiny_examples_dir), "sasrec": str(root / "sasrec"), "teacher": str(teacher),
-            "cache": str(root / "cache"), "other": str(other), "root": root, "nul": titles_nul}
+            "cache": str(root / "cache"), "other": str(other), "root": root, "nul": titles_nul,
+            "titles": [t for t in examples.titles() if t]}
 
 
 def run(argv: list[str], capsys) -> tuple[int, list[str]]:
@@ -63,6 +64,24 @@ def broken_cache(env: dict, name: str, damage) -> str:
 
 def _not_utf8(copy: Path) -> None:
     (copy / "manifest.json").write_bytes(b"\xff\xfe" + (copy / "manifest.json").read_bytes())
+
+
+def _edited_manifest(copy: Path, edit) -> None:
+    """The manifest edited and its digest recomputed, as someone covering their tracks would."""
+    from c2kd.cache_schema.schema import manifest_digest
+
+    manifest = json.loads((copy / "manifest.json").read_text())
+    edit(manifest)
+    manifest["digest"] = manifest_digest(manifest)
+    (copy / "manifest.json").write_text(json.dumps(manifest, indent=1))
+
+
+def _edit_totals(copy: Path) -> None:
+    _edited_manifest(copy, lambda m: m["totals"].__setitem__("examples", m["totals"]["examples"] + 1))
+
+
+def _edit_complete(copy: Path) -> None:
+    _edited_manifest(copy, lambda m: m.__setitem__("complete", False))
 
 
 def _flip_manifest_digit(copy: Path) -> None:
@@ -129,7 +148,7 @@ CASES = [
     # --- and more, across the commands ---
     Case("a source that does not exist", lambda e: ["prepare", f"{e['root']}/nope.csv", "--out", f"{e['root']}/p3"],
          1, "nope.csv", "p3"),
-    Case("a negative seed", lambda e: ["prepare", "movielens-100k", "--out", f"{e['root']}/p4", "--seed", "-1"], 1, "--seed", "p4"),
+    Case("a negative seed", lambda e: ["prepare", "movielens-100k", "--out", f"{e['root']}/p4", "--seed", "-1"], 2, "--seed", "p4"),
     Case("an unknown option", lambda e: ["prepare", "movielens-100k", "--bogus", "1"], 2, "--bogus"),
     Case("a missing required option", lambda e: ["train-sasrec", "--data", e["data"]], 2, "--out"),
     Case("zero SASRec epochs", lambda e: ["train-sasrec", "--data", e["data"], "--out", f"{e['root']}/s1", "--epochs", "0"],
@@ -213,6 +232,51 @@ CASES = [
          1, "dev"),
     Case("evaluate a folder that is not a model", lambda e: ["evaluate", "--model", f"{e['root']}/not-a-model", "--data",
                                                              e["data"]], 1, "not-a-model"),
+    # --- the last edges: nothing written where nothing can be, one line instead of a traceback ---
+    Case("cache-teacher --out under /proc", lambda e: ["cache-teacher", "--teacher", e["teacher"], "--data", e["data"],
+                                                       "--out", "/proc/c2kd-cache"], 1, "nothing can be written in /proc"),
+    Case("train-sasrec --out under /proc", lambda e: ["train-sasrec", "--data", e["data"], "--out", "/proc/c2kd-sasrec"],
+         1, "nothing can be written in /proc"),
+    Case("evaluate --out under /proc", lambda e: ["evaluate", "--model", e["sasrec"], "--data", e["data"], "--out",
+                                                  "/proc/c2kd-metrics.json"], 1, "nothing can be written in /proc"),
+    Case("cache push to /proc", lambda e: ["cache", "push", e["cache"], "/proc/c2kd-push"], 1,
+         "nothing can be written in /proc"),
+    Case("cache verify given a file", lambda e: ["cache", "verify", f"{e['root']}/a-file"], 1, "a file, not a cache folder"),
+    Case("recommend a user beyond 64 bits", lambda e: ["recommend", "--model", e["teacher"], "--data", e["data"], "--user",
+                                                       "99999999999999999999"], 2, "--user"),
+    Case("train-sasrec a seed beyond 64 bits", lambda e: ["train-sasrec", "--data", e["data"], "--out", f"{e['root']}/s3",
+                                                          "--seed", "99999999999999999999999"], 2, "--seed", "s3"),
+    Case("train-sasrec --threads 0", lambda e: ["train-sasrec", "--data", e["data"], "--out", f"{e['root']}/s4",
+                                                "--threads", "0"], 2, "--threads", "s4"),
+    Case("export with other data", lambda e: ["export", "--model", e["teacher"], "--data", e["other"], "--out",
+                                              f"{e['root']}/x1"], 1, "other data", "x1"),
+    Case("distill --w-logit nan", lambda e: [*DISTILL, "--data", e["data"], "--cache", e["cache"], "--out", f"{e['root']}/d19",
+                                             "--w-logit", "nan"], 2, "'nan' is not a finite number", "d19"),
+    Case("train-teacher --device tpu", lambda e: [*TT, "--data", e["data"], "--sasrec", e["sasrec"], "--out",
+                                                  f"{e['root']}/o14", "--device", "tpu"], 1, "--device 'tpu'", "o14.partial"),
+    Case("distill --device cuda:9", lambda e: [*DISTILL, "--data", e["data"], "--cache", e["cache"], "--out",
+                                               f"{e['root']}/d20", "--device", "cuda:9"], 1, "--device cuda:9", "d20.partial"),
+    Case("recommend --candidates ''", lambda e: ["recommend", "--model", e["teacher"], "--data", e["data"], "--history",
+                                                 e["titles"][1], "--candidates", ""], 1, "--candidates"),
+    Case("recommend a candidate already watched", lambda e: ["recommend", "--model", e["teacher"], "--data", e["data"],
+                                                             "--history", e["titles"][1], "--candidates",
+                                                             f"{e['titles'][1]}; {e['titles'][2]}"], 1, "already in --history"),
+    Case("--read-cache a file", lambda e: [*DISTILL, "--data", e["data"], "--cache", "memory://c2kd-nowhere", "--out",
+                                           f"{e['root']}/d21", "--read-cache", f"{e['root']}/a-file"], 1, "a file, not a folder",
+         "d21.partial"),
+    Case("--read-cache for a local cache", lambda e: [*DISTILL, "--data", e["data"], "--cache", e["cache"], "--out",
+                                                      f"{e['root']}/d22", "--read-cache", f"{e['root']}/rc"], 1,
+         "is a local folder", "rc"),
+    Case("cache-teacher --layers ''", lambda e: ["cache-teacher", "--teacher", e["teacher"], "--data", e["data"], "--out",
+                                                 f"{e['root']}/c14", "--layers", ""], 1, "at least one layer", "c14"),
+    Case("--lora-alpha without --lora-r", lambda e: [*TT, "--data", e["data"], "--sasrec", e["sasrec"], "--out",
+                                                     f"{e['root']}/o15", "--lora-alpha", "4"], 1, "--lora-r", "o15.partial"),
+    Case("distill --out ''", lambda e: [*DISTILL, "--data", e["data"], "--cache", e["cache"], "--out", ""], 1,
+         "give the path of a new folder"),
+    Case("verify after a totals.examples edit", lambda e: ["cache", "verify", broken_cache(e, "totals", _edit_totals)],
+         1, "totals.examples is"),
+    Case("a complete: false edit", lambda e: ["cache", "verify", broken_cache(e, "complete", _edit_complete)], 1,
+         "modified after the cache was sealed"),
 ]
 
 
@@ -227,7 +291,7 @@ def test_every_refusal_is_one_clear_line(case: Case, env, capsys):
 
 
 def test_case_count():
-    assert len(CASES) >= 19 + 25
+    assert len(CASES) >= 19 + 25 + 20
 
 
 def test_a_corrected_command_runs_after_a_failed_one(env, capsys):
@@ -254,3 +318,66 @@ def test_a_finished_command_run_again_reports_it_is_complete(env, capsys):
                   "--splits", "train", "--examples-per-shard", "64", "--no-progress"]
     code = main(cache_args)
     assert code == 0 and "already a complete cache" in capsys.readouterr().out
+
+
+def _float_options() -> list[tuple[list[str], str]]:
+    """(command path, flag) of every float option of every command."""
+    import inspect
+    import typing
+
+    from c2kd.cli import app
+
+    found = []
+    groups = [([], app)] + [([g.name], g.typer_instance) for g in app.registered_groups]
+    for prefix, group in groups:
+        for command in group.registered_commands:
+            hints = typing.get_type_hints(command.callback, include_extras=True)
+            for name, parameter in inspect.signature(command.callback).parameters.items():
+                hint = hints[name]
+                info = parameter.default if not typing.get_origin(hint) is typing.Annotated else hint.__metadata__[0]
+                base = typing.get_args(hint)[0] if typing.get_origin(hint) is typing.Annotated else hint
+                if float in (base, *typing.get_args(base)):
+                    # in Annotated form typer reads a first argument like "--lr" as the option's name
+                    flags = [d for d in (info.default, *info.param_decls) if isinstance(d, str) and d.startswith("--")]
+                    found.append(([*prefix, command.name or command.callback.__name__], flags[0]))
+    return found
+
+
+FLOAT_OPTIONS = _float_options()
+
+
+def test_every_float_option_is_checked_for_nan():
+    assert len(FLOAT_OPTIONS) >= 20  # the introspection sees the options (distill alone has 11)
+    assert (["distill"], "--w-logit") in FLOAT_OPTIONS and (["train-sasrec"], "--lr") in FLOAT_OPTIONS
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_no_float_option_takes_a_non_finite_number(value, capsys):
+    for command, flag in FLOAT_OPTIONS:
+        code, lines = run([*command, flag, value], capsys)
+        assert code == 2 and len(lines) == 1, (command, flag, lines)
+        assert flag in lines[0] and "not a finite number" in lines[0], lines[0]
+
+
+def test_a_refused_run_leaves_nothing_that_blocks_the_corrected_one(env, capsys):
+    out = env["root"] / "teacher-corrected"
+    base = [*TT[:-4], "--model", "micro", "--data", env["data"], "--sasrec", env["sasrec"], "--out", str(out)]
+    code, lines = run([*base, "--max-steps", "1", "--device", "tpu"], capsys)
+    assert code == 1 and "--device 'tpu'" in lines[0]
+    assert not out.exists() and not Path(f"{out}.partial").exists()
+    code, lines = run([*base, "--max-steps", "2", "--lr", "0.002"], capsys)
+    assert code == 0, lines
+    # the finished run, asked again with another setting: the refusal names the option, not its group
+    code, lines = run([*base, "--max-steps", "2", "--lr", "0.003"], capsys)
+    assert code == 1 and "--lr was 0.002, now 0.003" in lines[0], lines
+
+
+def test_checkpoint_every_zero_is_documented(capsys):
+    import os
+
+    os.environ["COLUMNS"] = "400"
+    try:
+        assert main(["distill", "--help"]) == 0
+    finally:
+        del os.environ["COLUMNS"]
+    assert "0: only the final one" in capsys.readouterr().out

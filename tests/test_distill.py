@@ -399,7 +399,7 @@ def test_a_run_recorded_before_kd_over_and_w_own_logit_existed_is_still_the_same
     (out / "recipe.json").write_text(json.dumps(recorded))
     assert distill(cache, examples.root, out, recipe, train_config)["already_complete"]
     for field, value in (("kd_over", "items"), ("w_own_logit", 0.5)):
-        with pytest.raises(C2KDError, match=rf"other settings \({field}\)"):
+        with pytest.raises(C2KDError, match=rf"other settings \(--{field.replace('_', '-')} was "):
             distill(cache, examples.root, out, DistillRecipe(student="micro", max_train=16, eval_batch_size=16,
                                                              **{field: value}), train_config)
 

@@ -78,7 +78,7 @@ def test_cli_trains_saves_and_records_validation(tiny_examples_dir, sasrec_run, 
     # other settings into the same folder: refused, naming what differs
     other = CliRunner().invoke(app, ["train-teacher", "--data", str(tiny_examples_dir), "--sasrec", str(sasrec_run),
                                      "--out", str(out), *FAST, "--lr", "0.5"])
-    assert other.exit_code == 1 and "other settings (train)" in other.output, other.output
+    assert other.exit_code == 1 and "other settings (--lr was" in other.output, other.output
 
 
 def test_lora_trains_adapters_item_tokens_and_projector(tiny_examples_dir, sasrec_run, tmp_path):

@@ -27,6 +27,8 @@ from safetensors.torch import load as load_safetensors
 from c2kd.cache_schema import schema as S
 from c2kd.cache_schema.batch import CachedBatch
 from c2kd.cache_schema.checksum import bytes_digest
+from c2kd.cache_schema.consistency import check_array, check_open
+from c2kd.cache_schema.identity import content_identity
 from c2kd.cache_schema.dtypes import from_storage
 from c2kd.cache_schema.expect import CacheExpectation, check_expectation
 from c2kd.cache_schema.storage import CacheLocation
@@ -117,6 +119,7 @@ class TeacherCache:
             raise CacheError(f"{location}/{S.INDEX}: columns {dict(index.schema)} are not the index schema")
         if index.height != manifest["totals"]["examples"]:
             raise CacheError(f"{location}/{S.INDEX}: {index.height} rows, manifest says {manifest['totals']['examples']}")
+        check_open(manifest, spec, index, str(location))  # a digest recomputed after an edit
         return cls(location, manifest, index)
 
     def __getstate__(self) -> dict:
@@ -133,6 +136,12 @@ class TeacherCache:
     def digest(self) -> str:
         """The cache's identity: the digest of its sealed manifest."""
         return self.manifest["digest"]
+
+    @property
+    def content_id(self) -> str:
+        """What the cache holds, from what (`identity.py`): equal for equal content, wherever and
+        whenever it was written."""
+        return content_identity(self.manifest)
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -221,6 +230,7 @@ class TeacherCache:
             expected = rows[self.layout[name]["rows"]]
             if arr.shape[0] != expected:
                 raise CacheError(f"{self.location}/{rel}: array {name} has {arr.shape[0]} rows, manifest says {expected}")
+            check_array(self.location, self.spec, shard, entry, name, arr.shape)  # its width, its files' sha256
             self._handles[key] = arr
         return self._handles[key]
 

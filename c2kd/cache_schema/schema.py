@@ -297,6 +297,9 @@ def check_manifest(manifest: dict, where: str) -> dict:
             f"{where}: cache schema version {version!r}; this c2kd reads version(s) "
             f"{', '.join(map(str, KNOWN_SCHEMA_VERSIONS))} — rebuild the cache or use a matching c2kd"
         )
+    if manifest.get("complete") is not True and ("digest" in manifest or "sealed_at" in manifest):
+        raise CacheError(f"{where}: the manifest says complete: {json.dumps(manifest.get('complete'))} but holds a sealed "
+                         "cache's digest: it was modified after the cache was sealed; the cache cannot be trusted")
     if manifest.get("complete") is not True:
         raise CacheError(
             f"{where}: cache is incomplete (still being written, or its writer stopped); "

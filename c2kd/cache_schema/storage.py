@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -167,11 +168,15 @@ class CacheLocation:
         except OSError as e:
             raise CacheError(f"{self.url}/{rel}: cannot be read ({e})") from None
 
-    def kept(self, rel: str, size: int | None = None) -> Path:
-        """The local copy of a remote file in the read cache, fetched whole the first time."""
+    def kept(self, rel: str, size: int | None = None, sha256: str | None = None) -> Path:
+        """The local copy of a remote file in the read cache, fetched whole the first time and then
+        checked against `sha256` (the manifest's), so a file is checked once, as it arrives."""
         path = self._cache_root / rel
         if not (path.is_file() and (size is None or path.stat().st_size == size)):
             data = self._fetch(rel)
+            if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
+                raise CacheError(f"{self.url}/{rel}: checksum does not match the manifest (corrupted, or the manifest "
+                                 "was edited); run `c2kd cache verify`")
             write_bytes(path, data)
         return path
 
@@ -179,10 +184,19 @@ class CacheLocation:
         """The whole file at `rel` (raises FileNotFoundError when absent); the manifest is always
         read fresh, other files of a remote cache through the read cache when there is one."""
         if self.local_root is not None:
-            return (self.local_root / rel).read_bytes()
+            try:
+                return (self.local_root / rel).read_bytes()
+            except (NotADirectoryError, IsADirectoryError):
+                raise CacheError(self._not_a_folder(rel)) from None
         if self._cache_root is not None and rel != MANIFEST:
             return self.kept(rel).read_bytes()
         return self._fetch(rel)
+
+    def _not_a_folder(self, rel: str) -> str:
+        """The message for a path whose parent is a file: the root itself, or a part inside it."""
+        if self.local_root.exists() and not self.local_root.is_dir():
+            return f"{self.local_root}: a file, not a cache folder (a cache is a folder or a URL)"
+        return f"{self.local_root}/{rel}: a file or folder is in the way of another; run `c2kd cache verify`"
 
     def iter_bytes(self, rel: str) -> Iterator[bytes]:
         """The file at `rel` in blocks (whole-object GETs for URLs: not every server honours Range)."""
@@ -206,8 +220,8 @@ class CacheLocation:
         if self.local_root is not None:
             return LocalStore(self.local_root / rel, read_only=True)
         if self._cache_root is not None and files is not None:
-            for frel, size, *_ in files:
-                self.kept(f"{rel}/{frel}", int(size))
+            for frel, size, *sha in files:
+                self.kept(f"{rel}/{frel}", int(size), sha[0] if sha else None)
             return LocalStore(self._cache_root / rel, read_only=True)
         try:
             inner = FsspecStore.from_url(f"{self.url}/{rel}", storage_options=self.storage_options, read_only=True)

@@ -22,14 +22,19 @@ from typing import Any
 
 import fsspec
 
-from c2kd.atomic import TMP_PREFIX, publish_dir, temp_sibling, write_bytes
+from c2kd.atomic import TMP_PREFIX, check_destination, publish_dir, temp_sibling, write_bytes
 from c2kd.cache_schema import schema as S
+from c2kd.cache_schema.identity import check_identity_prefix, content_identity, matches
 from c2kd.cache_schema.reader import read_manifest
 from c2kd.cache_schema.storage import CacheLocation
 from c2kd.errors import CacheError
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes in all)
 _PULL_MARK = f"{TMP_PREFIX}pull.json"  # in a folder being pulled: which cache it is becoming
+
+
+class DamagedSource(CacheError):
+    """A file at the source is missing or differs from its manifest."""
 
 
 @dataclass(frozen=True)
@@ -52,9 +57,26 @@ def cache_files(manifest: dict) -> list[CacheFile]:
 def _remote(url: str, storage_options: dict | None) -> tuple[Any, str]:
     try:
         fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        if _is_local(fs):  # a folder (file:// or a plain path): its sub-folders are made as files go in
+            fs, root = fsspec.core.url_to_fs(url, **{"auto_mkdir": True, **(storage_options or {})})
     except (ImportError, ValueError) as e:
         raise CacheError(f"{url}: cannot use this URL ({e})") from None
     return fs, root.rstrip("/")
+
+
+def _is_local(fs: Any) -> bool:
+    return "file" in (fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,))
+
+
+def _check_local_target(fs: Any, root: str, url: str) -> None:
+    """A folder target (file:// or a path, e.g. a shared NFS folder): refused before anything is
+    copied when it cannot be created or written (a file in the way, read-only, /proc)."""
+    if not _is_local(fs):
+        return
+    target = Path(root)
+    if target.exists() and not target.is_dir():
+        raise CacheError(f"{url}: exists and is not a folder; push to a new or empty folder")
+    check_destination(target)
 
 
 def _talk(url: str, what: str, call: Callable[[], Any]) -> Any:
@@ -79,20 +101,25 @@ def _sha256(path: Path) -> str:
 
 def push(cache: str | os.PathLike, url: str, storage_options: dict | None = None,
          progress: Progress | None = None) -> dict:
-    """Copy a complete local cache to `url`; returns {"digest", "files_sent", "files_skipped", "bytes_sent"}."""
+    """Copy a complete local cache to `url` (object storage, or a folder: file:// or a path); returns
+    {"digest", "content_id", "files_sent", "files_skipped", "bytes_sent"}."""
     local = CacheLocation(cache)
     if not local.is_local:
         raise CacheError(f"{cache}: push copies a local cache folder; pull a remote one first")
     raw = _read_local_manifest(local)
     manifest = read_manifest(local)  # complete, unmodified, of a known schema
     fs, root = _remote(url, storage_options)
+    _check_local_target(fs, root, url)
+    if _is_local(fs) and local.local_root in Path(root).resolve().parents:
+        raise CacheError(f"{url}: inside the cache {local.local_root} itself; push to a folder outside it")
     fs.invalidate_cache()  # listings cached by an earlier call in this process may be stale
     remote_manifest = f"{root}/{S.MANIFEST}"
+    content_id = content_identity(manifest)
     if _talk(url, "check the destination", lambda: fs.exists(remote_manifest)):
         there = S.parse_manifest(_talk(url, "read its manifest", lambda: fs.cat_file(remote_manifest)), url)
         if there.get("digest") == manifest["digest"]:
-            return {"digest": manifest["digest"], "files_sent": 0, "files_skipped": len(cache_files(manifest)),
-                    "bytes_sent": 0, "already_there": True}
+            return {"digest": manifest["digest"], "content_id": content_id, "files_sent": 0,
+                    "files_skipped": len(cache_files(manifest)), "bytes_sent": 0, "already_there": True}
         raise CacheError(f"{url}: holds another cache (digest {str(there.get('digest'))[:16]}…); push to another URL")
     files = cache_files(manifest)
     total, done, sent, skipped, sent_bytes = sum(f.size for f in files), 0, 0, 0, 0
@@ -113,8 +140,8 @@ def push(cache: str | os.PathLike, url: str, storage_options: dict | None = None
         if progress:
             progress(done, total)
     _talk(url, f"write {S.MANIFEST}", lambda: fs.pipe_file(remote_manifest, raw))  # last: now the cache is complete
-    return {"digest": manifest["digest"], "files_sent": sent, "files_skipped": skipped, "bytes_sent": sent_bytes,
-            "already_there": False}
+    return {"digest": manifest["digest"], "content_id": content_id, "files_sent": sent, "files_skipped": skipped,
+            "bytes_sent": sent_bytes, "already_there": False}
 
 
 def _read_local_manifest(local: CacheLocation) -> bytes:
@@ -127,21 +154,41 @@ def _read_local_manifest(local: CacheLocation) -> bytes:
 def pull(url: str, out: str | os.PathLike, expect: str | None = None, storage_options: dict | None = None,
          progress: Progress | None = None) -> dict:
     """Copy the cache at `url` into the folder `out` (resuming a cut pull); returns
-    {"digest", "files_fetched", "files_skipped", "bytes_fetched"}."""
+    {"digest", "content_id", "files_fetched", "files_skipped", "bytes_fetched"}. `expect`: a prefix of
+    the cache's digest or content identity (8 to 64 hex digits); any other cache is refused."""
+    if expect is not None:
+        check_identity_prefix(expect)
+    check_destination(Path(out))
     fs, root = _remote(url, storage_options)
     try:
         raw = _talk(url, f"read {S.MANIFEST}", lambda: fs.cat_file(f"{root}/{S.MANIFEST}"))
     except FileNotFoundError:
         raise CacheError(f"{url}: no {S.MANIFEST} there — not a cache, or one whose push has not finished") from None
     manifest = S.check_manifest(S.parse_manifest(raw, f"{url}/{S.MANIFEST}"), url)
-    digest = manifest["digest"]
-    if expect is not None and (len(expect) < 8 or not digest.startswith(expect.lower())):
-        raise CacheError(f"{url}: holds the cache {digest[:16]}…, not the expected {expect!r} (give at least 8 "
-                         "hex digits of `c2kd cache info`'s digest); nothing was pulled")
+    digest, content_id = manifest["digest"], content_identity(manifest)
+    if expect is not None and not matches(expect, digest, content_id):
+        raise CacheError(f"{url}: holds the cache with digest {digest[:16]}… and content identity {content_id[:16]}…, "
+                         f"not the expected {expect!r}; nothing was pulled")
     out = Path(out)
+    created = not out.exists()
     if _claim_pull_folder(out, digest):
-        return {"digest": digest, "files_fetched": 0, "files_skipped": len(cache_files(manifest)), "bytes_fetched": 0,
-                "already_there": True}
+        return {"digest": digest, "content_id": content_id, "files_fetched": 0, "files_skipped": len(cache_files(manifest)),
+                "bytes_fetched": 0, "already_there": True}
+    try:
+        counts = _pull_files(fs, root, url, manifest, out, progress)
+    except DamagedSource:
+        # a file arrived damaged or is missing: the source is, and resuming cannot mend it (a cut
+        # connection can); the folder this call made goes
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+    write_bytes(out / S.MANIFEST, raw, durable=True)  # last: now the local cache is complete
+    (out / _PULL_MARK).unlink(missing_ok=True)
+    return {"digest": digest, "content_id": content_id, **counts, "already_there": False}
+
+
+def _pull_files(fs: Any, root: str, url: str, manifest: dict, out: Path, progress: Progress | None) -> dict:
+    """Every file but the manifest, each checked on arrival; shards published whole."""
     files = cache_files(manifest)
     total, done, fetched, skipped, fetched_bytes = sum(f.size for f in files), 0, 0, 0, 0
     by_shard: dict[str, list[CacheFile]] = {}
@@ -176,10 +223,7 @@ def pull(url: str, out: str | os.PathLike, expect: str | None = None, storage_op
         done += sum(f.size for f in shard_files)
         if progress:
             progress(done, total)
-    write_bytes(out / S.MANIFEST, raw, durable=True)  # last: now the local cache is complete
-    (out / _PULL_MARK).unlink(missing_ok=True)
-    return {"digest": digest, "files_fetched": fetched, "files_skipped": skipped, "bytes_fetched": fetched_bytes,
-            "already_there": False}
+    return {"files_fetched": fetched, "files_skipped": skipped, "bytes_fetched": fetched_bytes}
 
 
 def _fetch(fs: Any, root: str, url: str, f: CacheFile) -> bytes:
@@ -187,18 +231,16 @@ def _fetch(fs: Any, root: str, url: str, f: CacheFile) -> bytes:
     try:
         data = _talk(url, f"read {f.rel}", lambda: fs.cat_file(f"{root}/{f.rel}"))
     except FileNotFoundError:
-        raise CacheError(f"{url}/{f.rel}: missing at the source; nothing more was published") from None
+        raise DamagedSource(f"{url}/{f.rel}: missing at the source; nothing more was published") from None
     if len(data) != f.size or hashlib.sha256(data).hexdigest() != f.sha256:
         shard = f" (shard {f.rel.split('/')[1]})" if f.rel.startswith(S.SHARDS + "/") else ""
-        raise CacheError(f"{url}/{f.rel}{shard}: arrived with another checksum than the manifest's; it was not "
+        raise DamagedSource(f"{url}/{f.rel}{shard}: arrived with another checksum than the manifest's; it was not "
                          "published — the source is damaged or changed while pulling")
     return data
 
 
 def _claim_pull_folder(out: Path, digest: str) -> bool:
     """Make `out` a folder this pull may fill; True when it already holds this complete cache."""
-    from c2kd.atomic import check_destination
-
     check_destination(out)
     if out.exists() and not out.is_dir():
         raise CacheError(f"{out}: exists and is not a folder")

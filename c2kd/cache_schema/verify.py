@@ -20,6 +20,7 @@ import polars as pl
 
 from c2kd.cache_schema import schema as S
 from c2kd.cache_schema.checksum import bytes_digest, files_digest
+from c2kd.cache_schema.identity import content_identity
 from c2kd.cache_schema.plan import example_ids_digest
 from c2kd.cache_schema.reader import read_manifest
 from c2kd.cache_schema.storage import CacheLocation, list_local_files
@@ -36,7 +37,8 @@ class VerifyReport:
     bad_shards: list[str] = field(default_factory=list)
     shards_checked: int = 0
     bytes_checked: int = 0
-    digest: str | None = None  # the cache's identity (its manifest digest), when the manifest is sound
+    digest: str | None = None  # the manifest digest (tamper detection), when the manifest is sound
+    content_id: str | None = None  # what the cache holds, from what (identity.py)
 
     @property
     def ok(self) -> bool:
@@ -67,6 +69,10 @@ def verify_cache(
         report.problems.append(str(e))
         return report
     report.digest = manifest["digest"]
+    try:
+        report.content_id = content_identity(manifest)
+    except (KeyError, TypeError, AttributeError) as e:
+        report.problems.append(f"{S.MANIFEST}: a field the content identity needs is missing or malformed ({e})")
     _check_manifest_fields(loc, manifest, spec, report)
     _check_assets(loc, manifest, report)
     index = _check_index(loc, manifest, report)
@@ -98,7 +104,22 @@ def _check_manifest_fields(loc: CacheLocation, manifest: dict, spec: S.CacheSpec
         copied = json.loads(loc.read_bytes(S.TEACHER_CONFIG_FILE))
         if manifest.get("teacher_config") != copied:
             report.problems.append(f"{where}: teacher_config differs from {S.TEACHER_CONFIG_FILE}")
-    except (FileNotFoundError, ValueError):
+    except (FileNotFoundError, ValueError, CacheError):
+        pass  # reported by the asset check
+    items = spec.extra.get("num_items") if isinstance(spec.extra, dict) else None
+    recorded = ((manifest.get("teacher_config") or {}).get("reclm") or {}).get("num_items")
+    if items is not None and recorded is not None and items != recorded:
+        report.problems.append(f"{where}: spec.extra.num_items is {items}, the teacher config says {recorded}")
+    try:
+        embeddings = _safetensors_shape(loc.read_bytes(S.ITEM_EMBEDDINGS_FILE), S.ITEM_EMBEDDINGS_TENSOR)
+        if items is not None and embeddings is not None and embeddings[0] != items + 1:
+            report.problems.append(f"{where}: spec.extra.num_items is {items}, {S.ITEM_EMBEDDINGS_FILE} has "
+                                   f"{embeddings[0]} rows (items + padding)")
+        head = _safetensors_shape(loc.read_bytes(S.HEAD_FILE), S.HEAD_TENSOR)
+        if head is not None and head != [spec.vocab_size, spec.hidden_size]:
+            report.problems.append(f"{where}: spec says vocab {spec.vocab_size} x width {spec.hidden_size}, "
+                                   f"{S.HEAD_FILE} is {head[0]} x {head[1]}")
+    except (FileNotFoundError, CacheError):
         pass  # reported by the asset check
     shards = manifest["shards"]
     part = S.parse_part(spec.part) or (1, 1)  # part i/n holds shards i-1, i-1+n, ...
@@ -107,8 +128,9 @@ def _check_manifest_fields(loc: CacheLocation, manifest: dict, spec: S.CacheSpec
         report.problems.append(f"{where}: shards are not numbered {expected[:3]}… in order")
     totals = manifest["totals"]
     for key, of in (("examples", "examples"), ("tokens", "tokens"), ("answers", "answers"), ("shard_bytes", "bytes")):
-        if sum(int(s.get(of, 0)) for s in shards) != totals.get(key):
-            report.problems.append(f"{where}: totals.{key} is not the sum over the shards")
+        held = sum(int(s.get(of, 0)) for s in shards)
+        if held != totals.get(key):
+            report.problems.append(f"{where}: totals.{key} is {totals.get(key)}, the shards hold {held}")
     per_split: dict[str, int] = {}
     for s in shards:
         per_split[s.get("split")] = per_split.get(s.get("split"), 0) + int(s.get("examples", 0))
@@ -120,6 +142,15 @@ def _check_manifest_fields(loc: CacheLocation, manifest: dict, spec: S.CacheSpec
             report.problems.append(f"{where}: shard {s.get('shard')} is named {s.get('name')!r}, expected {name!r}")
         if s.get("bytes") != sum(int(f[1]) for f in s.get("files", [])):
             report.problems.append(f"{where}: {name} bytes is not the sum of its file sizes")
+
+
+def _safetensors_shape(data: bytes, tensor: str) -> list[int] | None:
+    """The shape of `tensor` from a safetensors file's JSON header (None when it cannot be read)."""
+    try:
+        size = int.from_bytes(data[:8], "little")
+        return list(json.loads(data[8 : 8 + size])[tensor]["shape"])
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def _check_assets(loc: CacheLocation, manifest: dict, report: VerifyReport) -> None:
@@ -162,8 +193,8 @@ def _check_index(loc: CacheLocation, manifest: dict, report: VerifyReport) -> pl
     if dict(index.schema) != S.index_schema():
         report.problems.append(f"{S.INDEX}: columns {dict(index.schema)}, expected {S.index_schema()}")
         return None
-    if index.height != entry.get("rows") or index.height != manifest["totals"]["examples"]:
-        report.problems.append(f"{S.INDEX}: {index.height} rows, the manifest says {entry.get('rows')}")
+    if index.height != entry.get("rows"):  # (totals.examples against the shards: _check_manifest_fields)
+        report.problems.append(f"{S.INDEX}: {index.height} rows, the manifest's index.rows says {entry.get('rows')}")
     if index["example_id"].n_unique() != index.height:
         report.problems.append(f"{S.INDEX}: example ids are not unique")
     known = {int(s["shard"]) for s in manifest["shards"]}
@@ -262,6 +293,7 @@ def cache_info(path_or_url: str | os.PathLike | CacheLocation, storage_options: 
     info = {
         "path": str(loc),
         "digest": manifest.get("digest"),
+        "content_id": _content_id(manifest),
         "schema_version": manifest.get("schema_version"),
         "complete": bool(manifest.get("complete")),
         "created_by": manifest.get("created_by"),
@@ -295,6 +327,16 @@ def cache_info(path_or_url: str | os.PathLike | CacheLocation, storage_options: 
         journals = (loc.local_root / S.JOURNAL).glob("rank-*.jsonl")
         info["shards_written"] = sum(1 for p in journals for line in p.read_text().splitlines() if line.strip())
     return info
+
+
+def _content_id(manifest: dict) -> str | None:
+    """The content identity of a sealed cache; None while it is being written."""
+    if manifest.get("complete") is not True:
+        return None
+    try:
+        return content_identity(manifest)
+    except (KeyError, TypeError, AttributeError):
+        return None
 
 
 def _array_bytes(manifest: dict) -> dict[str, int]:

@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 from c2kd import __version__
-from c2kd.atomic import publish_dir, staged_dir, temp_sibling, write_bytes
+from c2kd.atomic import check_destination, publish_dir, staged_dir, temp_sibling, write_bytes
 from c2kd.cache_schema import schema as S
 from c2kd.cache_schema.checksum import bytes_digest, files_digest
 from c2kd.cache_schema.dtypes import to_storage
@@ -100,6 +100,7 @@ class CacheWriter:
         manifest_path = self.root / S.MANIFEST
         if self.root.exists() and not self.root.is_dir():
             raise CacheError(f"{self.root}: exists and is not a folder; choose another output folder")
+        check_destination(self.root)  # before any folder is made: a read-only place, /proc, a file in the way
         if manifest_path.is_file():
             manifest = S.parse_manifest(manifest_path.read_bytes(), str(manifest_path))
             if manifest.get("schema_version") != S.SCHEMA_VERSION:

@@ -387,7 +387,10 @@ def _timestamps(column: pl.Series, table: _Table, field_name: str) -> pl.Series:
                 f"{table.at(bad, field_name)}: {text[bad]!r} is not a timestamp (expected a number like the rows above)"
             )
         return as_float
-    as_time = text.str.to_datetime(strict=False)
+    try:
+        as_time = text.str.to_datetime(strict=False)
+    except pl.exceptions.ComputeError:  # polars infers the format from the first value: that one is no date-time
+        as_time = pl.Series([None] * len(text), dtype=pl.Datetime)
     bad = _first_bad(as_time.is_null())
     if bad is not None:
         raise DataError(

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from c2kd.atomic import staged_dir
+from c2kd.atomic import check_destination, staged_dir
 from c2kd.deploy.runtime import RANKER_FILE, RANKER_KIND  # the format's names, defined by its reader
 from c2kd.errors import C2KDError
 from c2kd.recmodel import hf
@@ -99,8 +99,9 @@ def ranker_spec(model: RecLM, titles: list[str]) -> tuple[dict, Tensor]:
 
 
 def export_ranker(model_dir: str | os.PathLike, out: str | os.PathLike, titles: list[str], quantize: str = "none",
-                  overwrite: bool = False, fmt: str = "onnx") -> Path:
-    """Export a saved `ids` recommender (teacher or student) as a ranker folder at `out`."""
+                  overwrite: bool = False, fmt: str = "onnx", data_fingerprint: str | None = None) -> Path:
+    """Export a saved `ids` recommender (teacher or student) as a ranker folder at `out`; with
+    `data_fingerprint` (the prepared data the titles come from), a model of other data is refused."""
     if fmt not in MODEL_FILES:
         raise C2KDError(f"--format {fmt!r}: expected one of {', '.join(MODEL_FILES)}")
     if quantize not in QUANTIZE or (quantize != "none" and fmt != "onnx"):
@@ -110,7 +111,11 @@ def export_ranker(model_dir: str | os.PathLike, out: str | os.PathLike, titles: 
     out = Path(out)
     if out.exists() and not overwrite:
         raise C2KDError(f"{out} already exists; choose another --out or pass --overwrite")
+    check_destination(out)
     model = RecLM.load(model_dir).eval()
+    if data_fingerprint and model.spec.data_fingerprint and model.spec.data_fingerprint != data_fingerprint:
+        raise C2KDError(f"{model_dir} was trained on other data (fingerprint {model.spec.data_fingerprint[:12]}…) than "
+                        f"--data ({data_fingerprint[:12]}…); its item ids would not match the titles")
     if model.spec.format != "ids":
         raise C2KDError(f"{model_dir}: a {model.spec.format} model; only ids models are exported (llara ranks "
                         "candidates by decoding titles through the whole vocabulary)")

@@ -29,9 +29,10 @@ class Request:
 def user_request(examples: ExampleSet, user: int) -> Request:
     """The test example of a user of the prepared data (internal user id, 0..U-1)."""
     test = examples.split("test")
-    rows = test.filter(test["user"] == user)
+    users = test["user"]
+    # compared as Python ints first: a number beyond the column's 64 bits would overflow the filter
+    rows = test.filter(users == user) if users.min() <= user <= users.max() else test.clear()
     if rows.height == 0:
-        users = test["user"]
         raise C2KDError(f"--user {user}: no such user in {examples.root} (users are numbered {users.min()}..{users.max()})")
     row = rows.row(0, named=True)
     return Request(list(row["history"]), list(row["candidates"]), int(row["target"]))
@@ -53,11 +54,20 @@ def _parse_titles(text: str, known: dict[str, int], option: str) -> list[int]:
 
 
 def made_up_request(examples: ExampleSet, history: str, candidates: str | None = None) -> Request:
-    """A user given as watched titles ("A; B; C"), with given or popular candidates."""
+    """A user given as watched titles ("A; B; C"), with given or popular candidates. A candidate
+    already in the history is refused: the models rank what comes next, never an item seen."""
     known = _items_by_title(examples)
     watched = _parse_titles(history, known, "--history")
-    if candidates:
-        return Request(watched, _parse_titles(candidates, known, "--candidates"))
+    if candidates is not None:
+        chosen = _parse_titles(candidates, known, "--candidates")
+        seen = [item for item in chosen if item in set(watched)]
+        if seen:
+            raise C2KDError(f"--candidates: {examples.titles()[seen[0]]!r} is already in --history; the models rank "
+                            "items not yet watched (leave it out of --candidates)")
+        if len(set(chosen)) != len(chosen):
+            twice = next(item for item in chosen if chosen.count(item) > 1)
+            raise C2KDError(f"--candidates: {examples.titles()[twice]!r} is given twice")
+        return Request(watched, chosen)
     train = examples.split("train")
     counts = Counter(i for h in train["history"].to_list() for i in h)
     counts.update(train["target"].to_list())

@@ -46,7 +46,7 @@ from c2kd.recmodel.model import RecLM
 from c2kd.recmodel.prompts import (EncodedExample, PromptEncoder, check_format, collate, encode_frame, first_answer_rows,
                                    next_history_items)
 from c2kd.recmodel.tokenizer import build_word_tokenizer
-from c2kd.run_folder import check_or_write_recipe, claim, finished_run, publish
+from c2kd.run_folder import check_or_write_recipe, claim, finished_run, leaves_nothing_when_refused, publish
 from c2kd.training import ExampleBatches, TrainConfig, TrainResult, comparable_config, train
 
 TRAIN_KIND = "c2kd-train"
@@ -177,6 +177,7 @@ def with_sasrec_logits(collate_fn: Callable[[list], dict], sasrec: str | Path, f
     return collate_with_scores
 
 
+@leaves_nothing_when_refused
 def train_teacher(
     data: str | Path | ExampleSet,
     sasrec: str | Path,

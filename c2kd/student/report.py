@@ -51,7 +51,7 @@ def distill_record(recipe: Any, cache: TeacherCache, cache_path: str, model: Any
     spec, student = cache.spec, model.student
     return {
         "kind": DISTILL_KIND, "version": DISTILL_VERSION, "recipe": asdict(recipe),
-        "cache": {"path": cache_path, "digest": cache.digest, "layers": list(spec.layers), "positions": spec.positions, "logits": str(spec.logits),
+        "cache": {"path": cache_path, "content_id": cache.content_id, "digest": cache.digest, "layers": list(spec.layers), "positions": spec.positions, "logits": str(spec.logits),
                   "dtype": spec.dtype, "teacher": spec.teacher_description, "teacher_fingerprint": spec.teacher_fingerprint,
                   "spec_hash": spec.spec_hash},
         "student": {"source": recipe.student, "shrink": recipe.shrink, "base": student.spec.base,
