@@ -4,7 +4,7 @@
     result = train(model, loss_fn, source, evaluate_fn, "NDCG@10", TrainConfig(out_dir=..., batch_size=32, seed=0))
 
 - `loss_fn(model, batch) -> {"loss": Tensor, other terms...}`: "loss" is optimised, every term is
-  logged. Call `model(...)` (the DDP wrapper under torchrun) for the forward pass.
+  logged: its mean over the micro-batches, or its sum for a `count/` term (e.g. router choices). Call `model(...)` (the DDP wrapper under torchrun) for the forward pass.
 - Data: a batch source (`BatchSource`) yields an epoch's micro-batches from any position, this
   rank's part of each; the trainer asks for (epoch, position) and never guesses. Both sources
   here and in stage two follow `epoch_batches`: a permutation drawn from (seed, epoch), cut into
@@ -57,6 +57,7 @@ from c2kd.errors import C2KDError
 # Config fields that may change between a run and its resumption; all others must match.
 _RESUMABLE_CHANGES = {"out_dir", "checkpoint_every", "keep_last", "log_every", "progress", "device"}
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
+COUNT_PREFIX = "count/"  # a loss_fn term counted (summed) rather than averaged
 MAX_SEED = 2**32 - 1  # torch and numpy take any seed in 0..2**32 - 1; larger ones overflow inside torch
 
 
@@ -485,14 +486,15 @@ def _accumulate(acc: dict, terms: dict[str, torch.Tensor], n_examples: int, n_to
 
 
 def _reduce_means(acc: dict, keep_counts: bool = False) -> dict:
-    """Mean of each term over micro-batches (and ranks); with keep_counts, summed examples/tokens."""
+    """Mean of each term over micro-batches (and ranks), the sum of a `count/` term; with keep_counts,
+    summed examples/tokens."""
     keys = sorted(k for k in acc if k not in ("_count", "examples", "tokens"))
     keys = distributed.broadcast(keys)  # same order on every rank
     values = torch.tensor([float(acc.get(k, 0.0)) for k in keys] + [acc.get("_count", 0), acc.get("examples", 0),
                                                                     acc.get("tokens", 0)], dtype=torch.float64)
     values = distributed.all_reduce_sum(values)
     count = max(values[-3].item(), 1.0)
-    out = {k: values[i].item() / count for i, k in enumerate(keys)}
+    out = {k: values[i].item() / (1.0 if k.startswith(COUNT_PREFIX) else count) for i, k in enumerate(keys)}
     if keep_counts:
         out.update(examples=int(values[-2].item()), tokens=int(values[-1].item()))
     return out

@@ -254,9 +254,28 @@ def test_router_rejects_bad_modes():
     student, projected, mask = _router_case()
     with pytest.raises(C2KDError, match="fixed:5"):
         route(student, projected, mask, "fixed:5")
-    with pytest.raises(C2KDError, match="top1, soft, fixed:L"):
-        parse_router("best")
+    for bad in ("best", "soft:0", "soft:-1", "soft:nan", "soft:x", "fixed:x"):
+        with pytest.raises(C2KDError, match="top1, soft, soft:T"):
+            parse_router(bad)
     assert parse_router("fixed:30") == ("fixed", 30)
+    assert parse_router("soft") == ("soft", 1.0) and parse_router("soft:4") == ("soft", 4.0)
+    with pytest.raises(C2KDError, match="no probe scores"):
+        route(student, projected, mask, "probe")
+
+
+def test_soft_router_temperature_flattens_the_weights():
+    student, projected, mask = _router_case()
+    sharp, flat = route(student, projected, mask, "soft"), route(student, projected, mask, "soft:10")
+    assert torch.allclose(flat.weights, torch.softmax(flat.scores / 10, dim=-1))
+    assert (flat.weights.max(dim=-1).values < sharp.weights.max(dim=-1).values).all()
+
+
+def test_probe_router_follows_the_probe_scores_not_the_cosines():
+    student, projected, mask = _router_case()
+    probe = torch.tensor([[0.0, -1.0, -2.0], [-3.0, -2.0, -1.0], [-0.5, -0.1, -4.0]])  # minus CE per layer
+    routing = route(student, projected, mask, "probe", probe_scores=probe)
+    assert routing.chosen.tolist() == [2, 6, 4] and routing.one_hot
+    assert route(student, projected, mask, "top1").chosen.tolist() == [4, 6, 4]
 
 
 # ---------------------------------------------------------------- cross-head

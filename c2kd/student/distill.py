@@ -39,11 +39,12 @@ from c2kd.recmodel.model import RecLM
 from c2kd.recmodel.pretrained import c2kd_home
 from c2kd.run_folder import check_or_write_recipe, claim, finished_run, leaves_nothing_when_refused
 from c2kd.student.cache_batches import CacheBatches
-from c2kd.student.filters import LayerFilters, stage1_loss
+from c2kd.student.diagnostics import probe_report
+from c2kd.student.filters import LayerFilters, init_as_lens, stage1_loss
 from c2kd.student.kd_support import ITEM_SUPPORTS, KD_SUPPORTS
 from c2kd.student.layer_map import uniform_layer_map
-from c2kd.student.objective import METHODS, DistillModel, LossWeights
-from c2kd.student.report import distill_record, epoch_router_counts, finish
+from c2kd.student.objective import METHODS, DistillModel, LossWeights, term_weights
+from c2kd.student.report import distill_record, epoch_diagnostics, finish, run_diagnostics
 from c2kd.student.router import parse_router
 from c2kd.training import TrainConfig, TrainResult, comparable_config, train
 
@@ -51,7 +52,10 @@ DEFAULT_SELECT_METRIC = "NDCG@10"  # over the 20 stored validation candidates
 SELECT_METRICS = ("HR@1", "HR@5", "HR@10", "NDCG@5", "NDCG@10", "MRR")
 # Settings added after distill runs were first recorded, with the value those runs used: a finished
 # or interrupted run recorded without one is still the same run.
-SETTINGS_ADDED = {"kd_over": "vocab", "w_own_logit": 0.0, "router_layers": None}
+SETTINGS_ADDED = {"kd_over": "vocab", "w_own_logit": 0.0, "router_layers": None, "student_layer": "penultimate",
+                  "filter_init": "random", "stage1_holdout": 0.1}
+STUDENT_LAYERS = ("penultimate", "last")
+FILTER_INITS = ("random", "lens")  # lens: identity filters + the teacher's head as the probe head (filters.py)
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,8 @@ class DistillRecipe(LossWeights):
     router_layers: tuple[int, ...] | None = None  # c2kd: the cached teacher layers the router chooses among (None: all)
     stage1_epochs: int = 1
     stage1_lr: float = 1e-3
+    filter_init: str = "random"  # random | lens (needs the student's width = the teacher's)
+    stage1_holdout: float = 0.1  # without a cached validation split: the share of train examples stage 1 holds out
     max_train: int | None = None  # a fixed random subset of the cached train split (CPU runs)
     max_val: int | None = None  # the first N validation examples for model selection
     select_metric: str = DEFAULT_SELECT_METRIC
@@ -91,6 +97,15 @@ class DistillRecipe(LossWeights):
         if self.w_own_logit > 0 and (self.method != "c2kd" or not self.cross_head):
             raise C2KDError("--w-own-logit adds vanilla logit KD on the student's own head to C2KD's cross-head loss: "
                             "it needs --method c2kd with the cross-head (for the own head alone: --method logit-kd)")
+        if self.student_layer not in STUDENT_LAYERS:
+            raise C2KDError(f"--student-layer {self.student_layer!r}: expected one of {', '.join(STUDENT_LAYERS)}")
+        if self.filter_init not in FILTER_INITS:
+            raise C2KDError(f"--filter-init {self.filter_init!r}: expected one of {', '.join(FILTER_INITS)}")
+        if not 0.0 < self.stage1_holdout < 1.0:
+            raise C2KDError(f"--stage1-holdout must be between 0 and 1 (exclusive), got {self.stage1_holdout}")
+        if self.router == "probe" and self.stage1_epochs == 0 and self.filter_init == "random":
+            raise C2KDError("--router probe follows stage 1's probes: train them (--stage1-epochs >= 1) or start them "
+                            "from the teacher's head (--filter-init lens)")
         for name in ("tau", "stage1_lr"):
             if getattr(self, name) <= 0:
                 raise C2KDError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
@@ -165,22 +180,39 @@ def build_student(recipe: DistillRecipe, cache: TeacherCache, seed: int) -> RecL
     return student
 
 
-def _stage1(recipe: DistillRecipe, cache: TeacherCache, layers: tuple[int, ...], train_ids: np.ndarray,
-            config: TrainConfig, student: RecLM, work: Path) -> tuple[LayerFilters, TrainResult | None]:
-    """C2KD stage 1: the layer filters g_l of the candidate `layers` on the cached teacher states (the teacher
-    frozen by construction)."""
+def _stage1_split(recipe: DistillRecipe, cache: TeacherCache, train_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(what stage 1 trains on, what its probes are judged on): the cached validation split when there
+    is one (its first --max-val examples), else a fixed `stage1_holdout` share of the train examples,
+    which then only stage 2 trains on."""
+    if "validation" in cache.spec.splits:
+        return train_ids, cache.split_ids("validation")[: recipe.max_val]
+    held = max(1, round(recipe.stage1_holdout * len(train_ids)))
+    order = np.random.default_rng(0).permutation(len(train_ids))
+    return train_ids[np.sort(order[held:])], train_ids[np.sort(order[:held])]
+
+
+def _stage1(recipe: DistillRecipe, cache: TeacherCache, train_ids: np.ndarray, config: TrainConfig, student: RecLM,
+            head_weight: torch.Tensor, work: Path) -> tuple[LayerFilters, TrainResult | None, dict]:
+    """C2KD stage 1: the layer filters g_l of the router's candidate layers on the cached teacher states
+    (the teacher frozen by construction), the best epoch chosen on held-out examples by the probes' CE.
+    Returns the filters, the run and the probes' report on the held-out examples."""
     classes = recipe.probe_classes(student)
     torch.manual_seed(config.seed)
     filters = recipe.layer_filters(cache.spec, student)
+    if recipe.filter_init == "lens":
+        init_as_lens(filters, head_weight.float() if classes is None else head_weight.float()[classes])
+    fit_ids, judge_ids = _stage1_split(recipe, cache, train_ids)
+    judge = lambda f: probe_report(f, cache, judge_ids, classes, student.item_token_ids, head_weight)  # noqa: E731
     if recipe.stage1_epochs == 0:
-        return filters, None
+        return filters, None, judge(filters)
     stage1 = TrainConfig(out_dir=work / "stage1", lr=recipe.stage1_lr, weight_decay=config.weight_decay,
                          epochs=recipe.stage1_epochs, batch_size=config.batch_size, seed=config.seed,
                          device=config.device, checkpoint_every=config.checkpoint_every, log_every=config.log_every,
                          progress=config.progress, bf16=config.bf16)
-    source = CacheBatches(cache, train_ids, stage1.batch_size, stage1.seed, layers=layers, final_hidden=False,
-                          logits=False)
-    return filters, train(filters, lambda net, batch: stage1_loss(net, batch, classes), source, None, None, stage1)
+    source = CacheBatches(cache, fit_ids, stage1.batch_size, stage1.seed, layers=filters.teacher_layers,
+                          final_hidden=False, logits=False)
+    result = train(filters, lambda net, batch: stage1_loss(net, batch, classes), source, judge, "neg_probe_ce", stage1)
+    return filters, result, result.best_metrics
 
 
 @leaves_nothing_when_refused
@@ -193,9 +225,12 @@ def distill(
     overwrite: bool = False,
     keep_checkpoints: bool = False,
     read_cache: str | Path | None = None,
+    final_splits: tuple[str, ...] = ("validation", "test"),
 ) -> dict:
     """Distil a student from a teacher cache and save it at `out`; returns `out/distill.json`.
 
+    `final_splits`: the splits the selected student is evaluated on at the end (a recipe search
+    leaves test out: it reads test once, for the recipe it chose).
     `train_config`: TrainConfig fields for stage 2 (all but out_dir). Re-running after an
     interruption with the same arguments resumes. A cache at a URL is read through a local read
     cache (`read_cache`, default $C2KD_HOME/remote-caches): every file is fetched once."""
@@ -230,9 +265,9 @@ def distill(
     cached = teacher_cache.split_ids("train")
     train_ids = cached[fixed_subset(len(cached), recipe.max_train)]
 
-    filters, stage1_result = (None, None)
+    filters, stage1_result, probes = None, None, None
     if recipe.method == "c2kd":
-        filters, stage1_result = _stage1(recipe, teacher_cache, candidates, train_ids, config, student, work)
+        filters, stage1_result, probes = _stage1(recipe, teacher_cache, train_ids, config, student, head_weight, work)
 
     # Stage 2: each method reads only what it uses (sft: the token ids alone). Feature KD's adapters start
     # from the run's seed: loading a pretrained student leaves the global generator in a state that differs
@@ -246,15 +281,17 @@ def distill(
                           logits=kd)
     evaluator = RecLMEvaluator(examples, "validation", limit=recipe.max_val, batch_size=recipe.eval_batch_size,
                                generation=False, full_catalog=False, progress=False)
+    first_batch = teacher_cache.get(train_ids[: config.batch_size], layers=layers, final_hidden=kd, logits=kd)
     result = train(model, lambda net, batch: net(batch), source, lambda m: evaluator(m.student), recipe.select_metric,
-                   config, trainable_parameters=model.trainable_parameters(), on_epoch_end=epoch_router_counts(model.router_layers),
-                   on_device=prepare_for_training)
+                   config, trainable_parameters=model.trainable_parameters(),
+                   on_epoch_end=epoch_diagnostics(model, first_batch, term_weights(recipe)), on_device=prepare_for_training)
     record = distill_record(recipe, teacher_cache, str(cache), model, examples, len(train_ids), evaluator, config,
                             stage1_result, result, layer_map)
+    record["diagnostics"] = run_diagnostics(probes, work / "stage2")
     if rank != 0:
         return record
     evaluated = {split: RecLMEvaluator(examples, split, batch_size=recipe.eval_batch_size, progress=False)
-                 .evaluate_with_predictions(model.student) for split in ("validation", "test")}
+                 .evaluate_with_predictions(model.student) for split in final_splits}
     record["metrics"] = {split: metrics for split, (metrics, _) in evaluated.items()}
     record["timings"]["this_run_s"] = round(time.perf_counter() - wall, 3)
     finish(model.student, work, out, record, overwrite, keep_checkpoints, [rows for _, rows in evaluated.values()])

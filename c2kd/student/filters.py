@@ -62,6 +62,37 @@ def probe_inputs(batch: CachedBatch, classes: Tensor | None) -> tuple[dict[int, 
     return {l: h[rows] for l, h in hidden.items()}, labels
 
 
+@torch.no_grad()
+def probe_scores(filters: LayerFilters, batch: CachedBatch, classes: Tensor | None) -> Tensor:
+    """[B, K]: minus each layer's probe CE on the example's answers (its mean over them), for the
+    `probe` router; an example with no answer the probe classifies scores 0 on every layer."""
+    hidden, labels = probe_inputs(batch, classes)
+    example = batch.answer_mask.nonzero()[:, 0].to(labels.device)
+    if classes is not None:
+        example = example[torch.isin(batch.answer_targets(), classes.to(labels.device))]
+    columns = []
+    for z in filters.probe_logits(hidden).values():
+        ce = F.cross_entropy(z, labels, reduction="none")
+        total = torch.zeros(len(batch), device=ce.device).index_add_(0, example, ce)
+        count = torch.zeros(len(batch), device=ce.device).index_add_(0, example, torch.ones_like(ce))
+        columns.append(-total / count.clamp_min(1.0))
+    return torch.stack(columns, dim=-1)
+
+
+def init_as_lens(filters: LayerFilters, head_rows: Tensor) -> None:
+    """Start the filters as the identity and the probe head as the teacher's own head (`head_rows`:
+    its rows for the probe's classes): each probe starts as the teacher's head read at layer l (a
+    "logit lens"), well above chance on late layers, instead of at chance. Needs d_s == d_t."""
+    d_s, d_t = filters.head.weight.shape[1], head_rows.shape[1]
+    if d_s != d_t or head_rows.shape[0] != filters.head.weight.shape[0]:
+        raise C2KDError(f"--filter-init lens needs the student's width to equal the teacher's ({d_s} vs {d_t}); "
+                        "use --filter-init random")
+    with torch.no_grad():
+        for linear in filters.filters.values():
+            linear.weight.copy_(torch.eye(d_s, dtype=linear.weight.dtype))
+        filters.head.weight.copy_(head_rows.to(filters.head.weight.dtype))
+
+
 def stage1_loss(filters: nn.Module, batch: CachedBatch, classes: Tensor | None = None) -> dict[str, Tensor]:
     """Stage 1's loss: the sum over the candidate layers of the probes' CE, each also logged."""
     per_layer = filters(*probe_inputs(batch, classes))

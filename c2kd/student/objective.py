@@ -6,7 +6,8 @@
     c2kd        L = L_LM + w_feat · L_feat(H_s^n, g_l*(H_t^l*)) + w_logit · L_logit + w_orth · L_orth
                       [+ w_own_logit · τ² KL(teacher ‖ the student's own head)]
 
-with l* chosen per example by the router (router.py), n the student's penultimate layer and
+with l* chosen per example by the router (router.py), n the student's penultimate layer (or with
+--student-layer last its last, final-normed layer: the state its own head ranks from) and
 L_logit the soft cross-entropy between the teacher's logits and W_head,t · feat_mlp(H_s^n) at the
 answer positions (cross_head.py), over the support `--kd-over` names (kd_support.py). The
 bracketed term is not the paper's (w_own_logit = 0 by default): C2KD teaches the student's own
@@ -25,7 +26,7 @@ from torch import Tensor, nn
 from c2kd.cache_schema import CachedBatch, CacheSpec
 from c2kd.recmodel.model import RecLM, RecLMOutput
 from c2kd.student.cross_head import CrossHead
-from c2kd.student.filters import LayerFilters
+from c2kd.student.filters import LayerFilters, probe_scores
 from c2kd.student.kd_support import KDSupport
 from c2kd.student.losses import cross_head_kd_loss, feature_loss, logit_kd_loss, orth_loss
 from c2kd.student.router import Routing, route, routed_feature_loss
@@ -47,6 +48,7 @@ class LossWeights:
     tau: float = 1.0
     w_own_logit: float = 0.0  # c2kd: a vanilla logit-KD term on the student's own head too (not the paper's)
     kd_over: str = "vocab"  # vocab | items | candidates: the support of the logit losses (kd_support.py)
+    student_layer: str = "penultimate"  # c2kd's layer n: penultimate (the paper) | last (final-normed: what ranks)
 
 
 def _at(x: Tensor, rows: Tensor | None) -> Tensor:
@@ -64,7 +66,9 @@ class DistillModel(nn.Module):
         super().__init__()
         self.student, self.w = student, weights
         d_t, d_s = spec.hidden_size, student.hidden_size
-        self.student_layer = max(1, student.num_layers - 1)  # penultimate (authors: 15 of 16)
+        # penultimate: the authors' 15 of 16; last: hidden_states[L] is final-normed, the state the head reads
+        last = weights.student_layer == "last"
+        self.student_layer = student.num_layers if last else max(1, student.num_layers - 1)
         self.teacher_head = nn.Parameter(head_weight.detach().float().clone(), requires_grad=False)
         self.kd = KDSupport(weights.kd_over, student.item_token_ids)
         self.filters = filters.requires_grad_(False) if filters is not None else None
@@ -99,7 +103,8 @@ class DistillModel(nn.Module):
         states, mask = batch.kept_rows(h_n), batch.hidden_mask
         with torch.no_grad():
             projected = self.filters.project({l: batch.hidden[l] for l in self.router_layers})
-        routing = route(states, projected, mask, self.w.router)
+        probe = probe_scores(self.filters, batch, self.kd.columns) if self.w.router == "probe" else None
+        routing = route(states, projected, mask, self.w.router, probe)
         return routed_feature_loss(states, projected, mask, routing), routing
 
     def cross_head_logits(self, batch: CachedBatch, h_n: Tensor, rows: Tensor | None) -> Tensor:
@@ -142,6 +147,11 @@ def c2kd(m: DistillModel, batch: CachedBatch) -> dict[str, Tensor]:
     loss = (out.loss + w.w_feat * feat + w.w_logit * logit + w.w_orth * terms.get("orth", zero)
             + w.w_own_logit * terms.get("own_logit", zero))
     return {"loss": loss, **terms, **routing.counts()}
+
+
+def term_weights(w: LossWeights) -> dict[str, float]:
+    """Each logged loss term's weight in the total (what its gradient share is measured with)."""
+    return {"lm": 1.0, "feat": w.w_feat, "logit": w.w_logit, "orth": w.w_orth, "own_logit": w.w_own_logit}
 
 
 OBJECTIVES = {"sft": sft, "logit-kd": logit_kd, "feature-kd": feature_kd, "c2kd": c2kd}

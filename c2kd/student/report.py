@@ -17,6 +17,7 @@ from c2kd.data.examples import ExampleSet
 from c2kd.predictions import PREDICTIONS_FILE, write_predictions
 from c2kd.recmodel.model import RecLM
 from c2kd.run_folder import publish
+from c2kd.student.diagnostics import gradient_shares
 from c2kd.training import COUNT_PREFIX, TrainConfig, TrainResult, read_log
 
 DISTILL_KIND = "c2kd-distill"
@@ -24,15 +25,20 @@ DISTILL_VERSION = 1
 PLOT_FILE = "distill.png"
 
 
-def epoch_router_counts(layers: tuple[int, ...]) -> Callable[[int, dict], dict | None]:
-    """Trainer hook: the router's layer choices of the epoch (the `count/router_layer_L` terms the
-    trainer summed over the epoch and the ranks) and their entropy, into the epoch line of the log."""
+def epoch_diagnostics(model: Any, batch: Any, weights: dict[str, float]) -> Callable[[int, dict], dict | None]:
+    """Trainer hook, for the epoch line of the log: the router's layer choices of the epoch (the
+    `count/router_layer_L` terms the trainer summed over the epoch and the ranks) with their entropy,
+    and each weighted loss term's share of the gradient norm on one fixed `batch`."""
+    layers = model.router_layers
 
     def hook(epoch: int, stats: dict) -> dict | None:
-        if not layers:
-            return None
-        counts = {str(l): int(round(stats.pop(f"{COUNT_PREFIX}router_layer_{l}", 0.0))) for l in layers}
-        return {"router_counts": counts, "router_entropy": choice_entropy(counts.values())}
+        extra = {}
+        if layers:
+            counts = {str(l): int(round(stats.pop(f"{COUNT_PREFIX}router_layer_{l}", 0.0))) for l in layers}
+            extra |= {"router_counts": counts, "router_entropy": choice_entropy(counts.values())}
+        if sum(w > 0 for w in weights.values()) > 1:  # one term alone has all of the gradient
+            extra |= gradient_shares(model, batch.to(model.teacher_head.device), weights)
+        return extra or None
 
     return hook
 
@@ -69,6 +75,42 @@ def distill_record(recipe: Any, cache: TeacherCache, cache_path: str, model: Any
     }
 
 
+def run_diagnostics(probes: dict | None, stage2_dir: Path) -> dict:
+    """Whether C2KD's parts did their job (distill.json's `diagnostics`): stage 1's probes on held-out
+    examples against chance and the teacher, the router's choices per epoch with their entropy, and
+    each loss term's mean and gradient share per epoch."""
+    epochs = read_log(stage2_dir, "epoch")
+    out: dict = {"epochs": [{k: v for k, v in r.items() if k not in ("kind", "step")} for r in epochs]}
+    if probes:
+        layers = sorted(int(k.rsplit("_", 1)[1]) for k in probes if k.startswith("HR@1_layer_"))
+        out["stage1"] = {"layers": {str(l): {"ce": probes[f"ce_layer_{l}"], "HR@1": probes[f"HR@1_layer_{l}"]} for l in layers},
+                         **{k: probes[k] for k in ("teacher_HR@1", "chance_HR@1", "chance_ce", "probe_HR@1_best")}}
+    return out
+
+
+def diagnostics_line(record: dict) -> str:
+    """One line for the end of `distill`: what the probes, the router and each term's gradient did."""
+    diag = record.get("diagnostics") or {}
+    parts = []
+    if "stage1" in diag:
+        s1 = diag["stage1"]
+        best = max(s1["layers"].items(), key=lambda kv: kv[1]["HR@1"])
+        parts.append(f"probes HR@1 {min(v['HR@1'] for v in s1['layers'].values()):.3f}-{best[1]['HR@1']:.3f} (best layer "
+                     f"{best[0]}; chance {s1['chance_HR@1']:.3f}, teacher {s1['teacher_HR@1']:.3f})")
+    last = (diag.get("epochs") or [{}])[-1]
+    if "router_counts" in last:
+        counts = last["router_counts"]
+        used = ", ".join(f"{l}: {c}" for l, c in counts.items() if c)
+        parts.append(f"router (last epoch) {used}, entropy {last['router_entropy']:.2f}")
+    shares = {k.split("/", 1)[1]: v for k, v in last.items() if k.startswith("grad_share/")}
+    if shares:
+        parts.append("gradient shares " + ", ".join(f"{k} {v:.0%}" for k, v in shares.items()))
+    return "; ".join(parts)
+
+
+_NOT_TERMS = {"kind", "step", "epoch", "lr", "grad_norm", "examples_per_s", "tokens_per_s"}  # the rest of a train line
+
+
 def finish(student: RecLM, work: Path, out: Path, record: dict, overwrite: bool, keep_checkpoints: bool,
            predictions: Sequence[pl.DataFrame] = ()) -> None:
     """Save the selected student with its records, per-example results (`predictions`: one frame per
@@ -86,16 +128,18 @@ def finish(student: RecLM, work: Path, out: Path, record: dict, overwrite: bool,
 
 
 def plot_run(run_dir: Path, record: dict) -> Path:
-    """distill.png: loss terms per step, router layer choices per epoch, validation metric."""
+    """distill.png: loss terms per step, router layer choices per epoch, each term's gradient share per
+    epoch, validation metric; the stage-1 probes' summary in the title."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     train_lines, epochs, evals = (read_log(run_dir, kind) for kind in ("train", "epoch", "eval"))
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4))
     ax = axes[0]
-    for term in ("loss", "lm", "feat", "logit", "own_logit", "orth"):
+    logged = [k for k in (train_lines[0] if train_lines else {}) if k not in _NOT_TERMS and "/" not in k]
+    for term in logged:
         points = [(r["step"], r[term]) for r in train_lines if term in r]
         if points:
             ax.plot(*zip(*points), label=term)
@@ -119,12 +163,29 @@ def plot_run(run_dir: Path, record: dict) -> Path:
         ax.set_axis_off()
 
     ax = axes[2]
+    shared = [r for r in epochs if any(k.startswith("grad_share/") for k in r)]
+    if shared:
+        terms = [k for k in shared[0] if k.startswith("grad_share/")]
+        bottom = np.zeros(len(shared))
+        for term in terms:
+            share = np.array([r.get(term, 0.0) for r in shared])
+            ax.bar([r["epoch"] + 1 for r in shared], share, bottom=bottom, label=term.split("/", 1)[1])
+            bottom += share
+        ax.set(title="share of the gradient norm per weighted term", xlabel="epoch", ylim=(0, 1),
+               xticks=[r["epoch"] + 1 for r in shared])
+        ax.legend()
+    else:
+        ax.text(0.5, 0.5, "one loss term: all of the gradient", ha="center", va="center")
+        ax.set_axis_off()
+
+    ax = axes[3]
     metric = record["validation"]["select_metric"]
     points = [(r["step"], r[metric]) for r in evals if metric in r]
     if points:
         ax.plot(*zip(*points), marker="o")
     ax.set(title=f"validation {metric}", xlabel="optimizer step")
-    fig.suptitle(f"distill {record['recipe']['method']} (router {record['recipe']['router']})")
+    line = diagnostics_line(record)
+    fig.suptitle(f"distill {record['recipe']['method']} (router {record['recipe']['router']})" + (f"\n{line}" if line else ""))
     fig.tight_layout()
     path = run_dir / PLOT_FILE
     fig.savefig(path, dpi=80)

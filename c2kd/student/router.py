@@ -1,11 +1,17 @@
 """C2KD's router (DESIGN §3): which teacher layer each example imitates at the student's layer n.
 
-score_l = sum over valid tokens of cos(H_s^n, g_l(H_t^l)); top1 follows argmax_l (the paper),
-soft a softmax over the scores, fixed:L one layer. The router selects a target, it is not trained.
+    top1      argmax_l score_l, score_l = sum over valid tokens of cos(H_s^n, g_l(H_t^l))  (the paper)
+    soft:T    softmax_l(score_l / T) weights every layer's loss (soft = soft:1)
+    probe     argmin_l of the stage-1 probe's CE on the example's answer: the layer whose filtered
+              states best predict what the teacher answers (not the paper's; independent of the student)
+    fixed:L   always layer L
+
+The router selects a target, it is not trained.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -16,7 +22,7 @@ from torch import Tensor
 from c2kd.errors import C2KDError
 from c2kd.student.losses import feature_loss
 
-ROUTER_MODES = ("top1", "soft", "fixed:L")
+ROUTER_MODES = ("top1", "soft", "soft:T", "probe", "fixed:L")
 
 
 @dataclass(frozen=True)
@@ -34,15 +40,24 @@ class Routing:
         return {f"count/router_layer_{l}": (self.chosen == l).sum().float() for l in self.layers}
 
 
-def parse_router(mode: str) -> tuple[str, int | None]:
-    """'top1' | 'soft' | 'fixed:L' -> (kind, L or None), with a clear error for anything else."""
-    if mode in ("top1", "soft"):
+def parse_router(mode: str) -> tuple[str, float | int | None]:
+    """'top1' | 'soft' | 'soft:T' | 'probe' | 'fixed:L' -> (kind, T or L or None); a clear error for anything else."""
+    if mode in ("top1", "probe"):
         return mode, None
-    if mode.startswith("fixed:"):
-        value = mode.split(":", 1)[1]
-        if value.lstrip("-").isdigit():
-            return "fixed", int(value)
-    raise C2KDError(f"router mode {mode!r}: expected one of top1, soft, fixed:L (L = a cached teacher layer, e.g. fixed:4)")
+    if mode == "soft":
+        return "soft", 1.0
+    kind, _, value = mode.partition(":")
+    if kind == "fixed" and value.lstrip("-").isdigit():
+        return "fixed", int(value)
+    if kind == "soft":
+        try:
+            temperature = float(value)
+        except ValueError:
+            temperature = float("nan")
+        if math.isfinite(temperature) and temperature > 0:
+            return "soft", temperature
+    raise C2KDError(f"router mode {mode!r}: expected one of top1, soft, soft:T (T > 0, e.g. soft:4), probe, fixed:L "
+                    "(L = a cached teacher layer, e.g. fixed:4)")
 
 
 def router_scores(student_h: Tensor, projected_teacher: Mapping[int, Tensor], mask: Tensor) -> Tensor:
@@ -54,19 +69,26 @@ def router_scores(student_h: Tensor, projected_teacher: Mapping[int, Tensor], ma
 
 
 @torch.no_grad()
-def route(student_h: Tensor, projected_teacher: Mapping[int, Tensor], mask: Tensor, mode: str = "top1") -> Routing:
-    """Per-example weights over the candidate teacher layers (see the module docstring)."""
-    kind, fixed_layer = parse_router(mode)
+def route(student_h: Tensor, projected_teacher: Mapping[int, Tensor], mask: Tensor, mode: str = "top1",
+          probe_scores: Tensor | None = None) -> Routing:
+    """Per-example weights over the candidate teacher layers (see the module docstring); `probe_scores`
+    [B, K] (minus each layer's probe CE per example) is what `probe` follows."""
+    kind, value = parse_router(mode)
     layers = tuple(projected_teacher)
-    scores = router_scores(student_h, projected_teacher, mask)
-    if kind == "top1":
+    if kind == "probe":
+        if probe_scores is None:
+            raise C2KDError("router probe: no probe scores were given")
+        scores = probe_scores.float()
+    else:
+        scores = router_scores(student_h, projected_teacher, mask)
+    if kind in ("top1", "probe"):
         weights = F.one_hot(scores.argmax(dim=-1), len(layers)).to(scores.dtype)
     elif kind == "soft":
-        weights = F.softmax(scores, dim=-1)
+        weights = F.softmax(scores / value, dim=-1)
     else:
-        if fixed_layer not in layers:
-            raise C2KDError(f"router fixed:{fixed_layer}: layer {fixed_layer} is not a cached teacher layer {list(layers)}")
-        index = torch.full((scores.shape[0],), layers.index(fixed_layer), dtype=torch.long, device=scores.device)
+        if value not in layers:
+            raise C2KDError(f"router fixed:{value}: layer {value} is not a cached teacher layer {list(layers)}")
+        index = torch.full((scores.shape[0],), layers.index(value), dtype=torch.long, device=scores.device)
         weights = F.one_hot(index, len(layers)).to(scores.dtype)
     layer_ids = torch.tensor(layers, device=scores.device)
     return Routing(layers=layers, weights=weights, chosen=layer_ids[weights.argmax(dim=-1)], scores=scores,
