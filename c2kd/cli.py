@@ -584,7 +584,9 @@ def distill_cmd(
     out: Path = typer.Option(..., "--out", help="Student model folder to create (work in progress lives in OUT.partial/)."),
     data: Path = typer.Option(..., "--data", help="Prepared examples folder the cache was built from (validation and test)."),
     method: str = _field(DR, "method", "--method", "c2kd | sft | logit-kd | feature-kd."),
-    router: str = _field(DR, "router", "--router", "C2KD router: top1 (paper), soft, or fixed:L (no router, teacher layer L)."),
+    router: str = _field(DR, "router", "--router", "C2KD router: top1 (paper), soft or soft:T (softmax of the scores / T), probe (per example, the layer whose stage-1 probe predicts the answer best), or fixed:L (teacher layer L)."),
+    student_layer: str = _field(DR, "student_layer", "--student-layer", "C2KD's student layer n: penultimate (the paper) or last (its final-normed state, the one its own head ranks from)."),
+    filter_init: str = _field(DR, "filter_init", "--filter-init", "Stage-1 filters start random (the paper) or as lens: identity filters with the teacher's head as the probe head (needs the student's width = the teacher's)."),
     router_layers: Optional[str] = typer.Option(None, "--router-layers", help="Comma-separated cached teacher layers the C2KD router chooses among [default: every cached layer]; for a cache that also holds early layers for feature KD."),
     cross_head: bool = _field(DR, "cross_head", "--cross-head/--no-cross-head", "Score student features with the teacher's head (off: the student's own head)."),
     orth: bool = _field(DR, "orth", "--orth/--no-orth", "Orthogonality loss on the cross-head projection."),
@@ -596,6 +598,7 @@ def distill_cmd(
     kd_over: str = _field(DR, "kd_over", "--kd-over", "Support of the logit losses: vocab (the paper), items (the item tokens at the item-predicting answer, ids only) or candidates (as items, narrowed to the example's candidates: the ranking the metrics measure)."),
     stage1_epochs: int = _field(DR, "stage1_epochs", "--stage1-epochs", "Epochs of stage 1 (layer filters on cached teacher states; c2kd only)."),
     stage1_lr: float = _field(DR, "stage1_lr", "--stage1-lr", "Learning rate of stage 1."),
+    stage1_holdout: float = _field(DR, "stage1_holdout", "--stage1-holdout", "For a cache without a validation split: the share of its train examples stage 1 holds out to judge its probes and pick its best epoch."),
     select_metric: str = _field(DR, "select_metric", "--select-metric", "Validation metric that picks the best state."),
     read_cache: Optional[Path] = typer.Option(None, "--read-cache", help="For a cache at a URL: a local folder keeping each fetched file, so it is fetched once [default: $C2KD_HOME/remote-caches]."),
     epochs: Epochs = None, max_steps: MaxSteps = None, batch_size: BatchSize = None, grad_accum: GradAccum = None,
@@ -619,6 +622,7 @@ def distill_cmd(
             router_layers=_int_list(router_layers, "--router-layers"), cross_head=cross_head,
             orth=orth, w_feat=w_feat, w_logit=w_logit, w_orth=w_orth, tau=tau, w_own_logit=w_own_logit, kd_over=kd_over,
             stage1_epochs=stage1_epochs, stage1_lr=stage1_lr, max_train=max_train, max_val=max_val, select_metric=select_metric,
+            student_layer=student_layer, filter_init=filter_init, stage1_holdout=stage1_holdout,
         )
         config = _train_config(epochs=epochs, max_steps=max_steps, batch_size=batch_size, grad_accum=grad_accum, lr=lr,
                                weight_decay=weight_decay, warmup_ratio=warmup_ratio, max_grad_norm=max_grad_norm,
@@ -634,6 +638,48 @@ def distill_cmd(
             f"{done}{record['recipe']['method']}: {record['final_step']} steps in {record['timings']['train_s']:.1f} s; "
             f"test {summary}; model folder: {out}"
         )
+        if record.get("diagnostics"):
+            from c2kd.student.report import diagnostics_line
+
+            typer.echo(diagnostics_line(record))
+
+@app.command("tune")
+def tune_cmd(
+    cache: str = typer.Option(..., "--cache", help="Teacher cache (a folder or a URL) every trial's student learns from."),
+    data: Path = typer.Option(..., "--data", help="Prepared examples folder the cache was built from."),
+    out: Path = typer.Option(..., "--out", help="Search folder: the Optuna study, every trial's student, tune.json and tune.md."),
+    method: str = _field(DR, "method", "--method", "The method whose recipe is searched: c2kd | logit-kd | feature-kd (sft has nothing to tune)."),
+    student: str = _field(DR, "student", "--student", "The student, as for distill."),
+    shrink: Shrink = None,
+    kd_over: str = _field(DR, "kd_over", "--kd-over", "Support of the logit losses, as for distill (fixed during the search unless the space names it)."),
+    filter_init: str = _field(DR, "filter_init", "--filter-init", "Stage-1 filter start, as for distill."),
+    stage1_epochs: int = _field(DR, "stage1_epochs", "--stage1-epochs", "Epochs of stage 1, as for distill."),
+    stage1_lr: float = _field(DR, "stage1_lr", "--stage1-lr", "Learning rate of stage 1."),
+    trials: int = typer.Option(20, "--trials", help="Trials in all (a resumed search runs the ones still missing)."),
+    space: Optional[Path] = typer.Option(None, "--space", help='JSON object of DistillRecipe fields to search, e.g. {"w_logit": {"low": 0.25, "high": 16, "log": true}, "router": {"choices": ["top1", "probe"]}} [default: the method\'s space in c2kd/student/tune.py].'),
+    objective: str = typer.Option("HR@1", "--objective", help="Validation metric (over the 20 candidates) the search maximises."),
+    read_cache: Optional[Path] = typer.Option(None, "--read-cache", help="For a cache at a URL: a local folder keeping each fetched file."),
+    epochs: Epochs = None, batch_size: BatchSize = None, lr: Lr = None, seed: Seed = None, bf16: Bf16 = False,
+    max_train: MaxTrain = None, max_val: MaxVal = None, progress: ShowProgress = True,
+) -> None:
+    """Search a distillation recipe on validation from one cache, then test the chosen one once.
+
+    Every trial is a `distill` run scored on the validation split only; the best trial's student is
+    the only one evaluated on test. Rerun the same command to resume an interrupted search; several
+    processes sharing --out run trials of one study."""
+    from c2kd.student.tune import read_space, tune
+
+    with reporting_errors():
+        base = DR(method=method, student=student, shrink=shrink, kd_over=kd_over, filter_init=filter_init,
+                  stage1_epochs=stage1_epochs, stage1_lr=stage1_lr, max_train=max_train, max_val=max_val)
+        dims = read_space(space, method)
+        config = _train_config(epochs=epochs, batch_size=batch_size, lr=lr, seed=seed, bf16=bf16)
+        record = tune(cache, data, out, base, dims, trials, config, objective=objective,
+                      seed=seed or 0, read_cache=read_cache, progress=progress)
+    chosen = record["chosen"]
+    typer.echo(f"{len(record['trials'])} trials; chosen trial {chosen['number']} {chosen['params']}: validation "
+               f"{objective} {chosen[f'validation_{objective}']:.4f}, test {objective} "
+               f"{chosen['test']['candidates'][objective]:.4f}; table: {out / 'tune.md'}")
 
 
 # --- deployment: export / recommend ---
