@@ -14,6 +14,11 @@ from collections.abc import Sequence
 
 import torch
 
+# What a training run may select its best state on (over the 20 stored validation candidates), and
+# what it selects on by default: teacher fine-tuning, SASRec-free students and distillation alike.
+SELECT_METRICS = ("HR@1", "HR@5", "HR@10", "NDCG@5", "NDCG@10", "MRR")
+DEFAULT_SELECT_METRIC = "NDCG@10"
+
 CANDIDATE_HR_AT = (1, 5, 10)
 CANDIDATE_NDCG_AT = (5, 10)
 FULL_CATALOG_AT = (10,)

@@ -35,6 +35,7 @@ from c2kd.atomic import write_json
 from c2kd.distributed import dist_env
 from c2kd.errors import C2KDError
 from c2kd.evaluate import RecLMEvaluator
+from c2kd.metrics import DEFAULT_SELECT_METRIC
 from c2kd.predictions import PREDICTIONS_FILE, write_predictions
 from c2kd.data.examples import ExampleSet, fixed_subset, load_examples
 from c2kd.sasrec.train import (SplitTensors, catalog_scores, check_fingerprint, load_item_embeddings, load_sasrec,
@@ -52,10 +53,11 @@ from c2kd.training import ExampleBatches, TrainConfig, TrainResult, comparable_c
 TRAIN_KIND = "c2kd-train"
 TRAIN_VERSION = 1
 RECIPE = "train-teacher"
-DEFAULT_SELECT_METRIC = "NDCG@10"  # over the 20 stored validation candidates
 # Projection layers LoRA adapts in Llama-style models (Llama, Qwen2, Mistral, SmolLM2, ...).
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-NEWER_SETTINGS = {"sasrec_kd": 0.0}  # recipe fields that runs recorded before them did not write (they had this value)
+# Settings added after train-teacher runs were first recorded, with the value those runs used: a
+# finished or interrupted run recorded without one is still the same run (run_folder.finished_run).
+SETTINGS_ADDED = {"sasrec_kd": 0.0}
 
 
 @dataclass(frozen=True)
@@ -200,12 +202,12 @@ def train_teacher(
     rank = dist_env()[0]
     recipe_record = {"recipe": RECIPE, **asdict(recipe), "train": comparable_config(config),
                      "data_fingerprint": examples.fingerprint, "sasrec": str(Path(sasrec).resolve())}
-    finished = finished_run(out, recipe_record, "train.json", overwrite, NEWER_SETTINGS)
+    finished = finished_run(out, recipe_record, "train.json", overwrite, SETTINGS_ADDED)
     if finished is not None:
         return {**finished, "already_complete": True}
 
     model = build_model(replace(recipe, lora=None), examples, item_embeddings, seed=config.seed)
-    check_or_write_recipe(work, recipe_record, rank, NEWER_SETTINGS)  # only once everything could be built
+    check_or_write_recipe(work, recipe_record, rank, SETTINGS_ADDED)  # only once everything could be built
     non_embedding = model.non_embedding_parameters()  # of the LM itself, before any adapters
     if recipe.lora is not None:
         add_lora(model, recipe.lora, config.seed)

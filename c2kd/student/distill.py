@@ -32,6 +32,7 @@ from c2kd.cache_schema import CacheSpec, TeacherCache
 from c2kd.distributed import dist_env
 from c2kd.errors import C2KDError
 from c2kd.evaluate import RecLMEvaluator
+from c2kd.metrics import DEFAULT_SELECT_METRIC, SELECT_METRICS
 from c2kd.data.examples import ExampleSet, fixed_subset, load_examples
 from c2kd.recmodel.build import build_model, check_source
 from c2kd.recmodel.hf import prepare_for_training
@@ -48,8 +49,6 @@ from c2kd.student.report import distill_record, epoch_diagnostics, finish, run_d
 from c2kd.student.router import parse_router
 from c2kd.training import TrainConfig, TrainResult, comparable_config, train
 
-DEFAULT_SELECT_METRIC = "NDCG@10"  # over the 20 stored validation candidates
-SELECT_METRICS = ("HR@1", "HR@5", "HR@10", "NDCG@5", "NDCG@10", "MRR")
 # Settings added after distill runs were first recorded, with the value those runs used: a finished
 # or interrupted run recorded without one is still the same run.
 SETTINGS_ADDED = {"kd_over": "vocab", "w_own_logit": 0.0, "router_layers": None, "student_layer": "penultimate",
