@@ -105,7 +105,7 @@ def test_push_pull_verify_identity(s3, cache, tmp_path):
     assert info["digest"] == digest and info["complete"]
     assert verify_cache(url).ok
     got = pull(url, tmp_path / "pulled", expect=digest[:12])
-    assert got["digest"] == digest
+    assert got["digest"] == digest and got["content_id"] == first["content_id"] == TeacherCache.open(cache).content_id
     assert verify_cache(tmp_path / "pulled").ok
     assert content_digest(tmp_path / "pulled") == content_digest(cache)
     assert pull(url, tmp_path / "pulled")["already_there"]
@@ -211,6 +211,9 @@ def test_parts_merge_into_the_single_run_cache(teacher, examples, tmp_path, cach
     merged = TeacherCache.open(tmp_path / "merged").manifest
     reference = TeacherCache.open(single).manifest
     assert [s["sha256"] for s in merged["shards"]] == [s["sha256"] for s in reference["shards"]]  # the same shards
+    # merged on another day from caches written elsewhere: the single run's content identity, not its digest
+    assert TeacherCache.open(tmp_path / "merged").content_id == TeacherCache.open(single).content_id
+    assert merged["digest"] != reference["digest"]
     # refusals: one part alone, the same part twice, a part of another cache
     with pytest.raises(CacheError, match="at least two"):
         from c2kd.cache_schema.merge import merge_caches
