@@ -29,7 +29,7 @@ from c2kd.cache_schema.batch import CachedBatch
 from c2kd.cache_schema.checksum import bytes_digest
 from c2kd.cache_schema.consistency import check_array, check_open
 from c2kd.cache_schema.identity import content_identity
-from c2kd.cache_schema.dtypes import from_storage
+from c2kd.cache_schema.dtypes import TORCH_DTYPES, dequantize_e4m3, from_storage
 from c2kd.cache_schema.expect import CacheExpectation, check_expectation
 from c2kd.cache_schema.storage import CacheLocation
 from c2kd.cache_schema.zarr_io import open_array, read_rows
@@ -335,7 +335,10 @@ class TeacherCache:
         others in schema order, less the groups left out (an output of another group is always read)."""
         left_out = {S.FINAL_HIDDEN_GROUP: not final_hidden, S.LOGITS_GROUP: not logits}
         others = [a.name for a in S.output_defs(self.spec) if a.output != S.HIDDEN_GROUP and not left_out.get(a.output)]
-        return [S.hidden_array(l) for l in layers] + others
+        hidden = [S.hidden_array(l) for l in layers]
+        if self.spec.quantized:  # each float8 array is read with its scales
+            hidden = [n for name in hidden for n in (name, self._defs[name].scale)]
+        return hidden + others
 
     def _read_examples(self, rows: np.ndarray, names: Sequence[str]) -> dict[str, list[np.ndarray]]:
         """For each array name, each example's rows (in the order of `rows`), read shard by shard."""
@@ -357,18 +360,28 @@ class TeacherCache:
         return out
 
     def _batch(self, ids: np.ndarray, rows: np.ndarray, data: dict[str, list[np.ndarray]]) -> CachedBatch:
-        """Pad one group's examples into a CachedBatch (ints as int64, floats in the logical dtype)."""
+        """Pad one group's examples into a CachedBatch (ints as int64, floats in the logical dtype,
+        float8 hidden states decoded to the cache's other float dtype)."""
         c, spec = self._col, self.spec
         tok_len, ans_len = c["token_length"][rows], c["answer_length"][rows]
         t_max, a_max = int(tok_len.max(initial=0)), int(ans_len.max(initial=0))
 
-        def pad(name: str, fill: int = 0) -> torch.Tensor:
+        def padded(name: str, dtype: np.dtype, fill: int = 0) -> np.ndarray:
             parts, a = data[name], self._defs[name]
             width = t_max if a.rows == "tokens" else a_max
-            out = np.full((len(parts), width, *a.columns), fill, dtype=np.dtype(spec.storage_dtype) if a.is_float else np.int64)
+            out = np.full((len(parts), width, *a.columns), fill, dtype=dtype)
             for j, part in enumerate(parts):
                 out[j, : len(part)] = part
-            return from_storage(out, spec.dtype) if a.is_float else torch.from_numpy(out)
+            return out
+
+        def pad(name: str, fill: int = 0) -> torch.Tensor:
+            a = self._defs[name]
+            if a.is_quantized:  # padding rows: byte 0 and scale 0, i.e. 0.0 like the other arrays' padding
+                return dequantize_e4m3(padded(name, np.dtype(np.uint8)), padded(a.scale, np.dtype(np.float32)),
+                                       TORCH_DTYPES[spec.float_dtype])
+            if a.is_float:
+                return from_storage(padded(name, np.dtype(spec.storage_dtype)), spec.float_dtype)
+            return torch.from_numpy(padded(name, np.dtype(np.int64), fill))
 
         attention = (np.arange(t_max)[None, :] < tok_len[:, None]).astype(np.int64)
         return CachedBatch(

@@ -1,4 +1,4 @@
-"""The one definition of the teacher-cache layout (schema version 2); SCHEMA.md describes it in prose.
+"""The one definition of the teacher-cache layout (schema versions 2 and 3); SCHEMA.md describes it in prose.
 
 Every file name, array name, dtype rule and policy string of the cache lives here, so the writer,
 the reader and the verifier cannot drift apart.
@@ -18,8 +18,8 @@ from c2kd.atomic import TMP_PREFIX  # noqa: F401  (temp names being written are 
 from c2kd.errors import CacheError
 
 FORMAT = "c2kd-teacher-cache"
-SCHEMA_VERSION = 2  # 2: per-file checksums and the manifest digest
-KNOWN_SCHEMA_VERSIONS = (2,)
+SCHEMA_VERSION = 3  # the newest this code writes; see `schema_version` for which a cache gets
+KNOWN_SCHEMA_VERSIONS = (2, 3)  # 2: per-file checksums and the manifest digest; 3: float8 hidden states
 
 # --- files and folders, relative to the cache root ---------------------------------------------
 MANIFEST = "manifest.json"
@@ -75,10 +75,15 @@ TOPK_INDICES = "topk_indices"
 FULL_LOGITS = "full_logits"
 
 _HIDDEN_RE = re.compile(r"^hidden/layer_(\d+)$")
+SCALE_SUFFIX = ".scale"  # `hidden/layer_L.scale`: the per-row scales of a float8 `hidden/layer_L`
 
 
 def hidden_array(layer: int) -> str:
     return f"hidden/layer_{layer}"
+
+
+def scale_array(name: str) -> str:
+    return name + SCALE_SUFFIX
 
 
 def hidden_layer(name: str) -> int | None:
@@ -93,6 +98,16 @@ IGNORE_INDEX = -100  # labels value of non-answer tokens (Hugging Face conventio
 # logical dtype -> numpy dtype the bytes are stored as (Zarr has no bfloat16: keep its bits)
 STORAGE_DTYPES = {"bfloat16": "uint16", "float16": "float16", "float32": "float32"}
 LOGICAL_DTYPE_ATTR = "c2kd_logical_dtype"
+SCALE_ATTR = "c2kd_scale"  # on a float8 array: the name of its scale array
+# `dtype: float8`: hidden states as float8 e4m3 bytes with a float32 scale per row (token or answer
+# position); every other float array (final_hidden, top-k values) keeps FLOAT8_OTHERS, the precision
+# exact logits need (benchmarks/cache_dtype.py measures it).
+FLOAT8 = "float8"
+FLOAT8_E4M3 = "float8_e4m3fn"  # the logical dtype of a quantised array (torch.float8_e4m3fn, max 448)
+FLOAT8_STORAGE = "uint8"
+FLOAT8_OTHERS = "bfloat16"
+SCALE_DTYPE = "float32"
+CACHE_DTYPES = (*STORAGE_DTYPES, FLOAT8)
 
 POSITIONS = ("all", "answer")
 COMPRESSORS = ("zstd", "none")
@@ -209,8 +224,10 @@ class CacheSpec:
             raise CacheError(
                 f"cache spec: layers {list(self.layers)} must lie in 1..{self.teacher_num_layers or 'L'}"
             )
-        if self.dtype not in STORAGE_DTYPES:
-            raise CacheError(f"cache spec: dtype {self.dtype!r}, expected one of {', '.join(STORAGE_DTYPES)}")
+        if self.dtype not in CACHE_DTYPES:
+            raise CacheError(f"cache spec: dtype {self.dtype!r}, expected one of {', '.join(CACHE_DTYPES)}")
+        if self.dtype == FLOAT8 and self.logits.kind == "full":
+            raise CacheError(FLOAT8_FULL_LOGITS)
         if self.positions not in POSITIONS:
             raise CacheError(f"cache spec: positions {self.positions!r}, expected 'all' or 'answer'")
         if self.hidden_size <= 0 or self.vocab_size <= 0 or self.examples_per_shard <= 0:
@@ -222,8 +239,33 @@ class CacheSpec:
         return Compression.parse(self.compression)
 
     @property
+    def float_dtype(self) -> str:
+        """The logical dtype of the float arrays that are not quantised (all of them but float8 hidden states)."""
+        return FLOAT8_OTHERS if self.dtype == FLOAT8 else self.dtype
+
+    @property
     def storage_dtype(self) -> str:
-        return STORAGE_DTYPES[self.dtype]
+        """How the float arrays that are not quantised are stored."""
+        return STORAGE_DTYPES[self.float_dtype]
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the hidden states are float8 bytes with per-row scales."""
+        return self.dtype == FLOAT8
+
+    @property
+    def schema_version(self) -> int:
+        """The schema version a cache of this spec is written with: 3 when it needs version 3 (float8
+        hidden states, which a version-2 reader would read as bytes), else 2, so the caches version 2
+        describes keep their version and content identity, and an older c2kd still reads them."""
+        return 3 if self.quantized else 2
+
+    def dtype_field(self) -> dict:
+        """The manifest's `dtype` field."""
+        if self.quantized:
+            return {"logical": FLOAT8, "storage": FLOAT8_STORAGE, "hidden": FLOAT8_E4M3, "scale": SCALE_DTYPE,
+                    "others": FLOAT8_OTHERS, "others_storage": self.storage_dtype}
+        return {"logical": self.dtype, "storage": self.storage_dtype}
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -255,6 +297,11 @@ class CacheSpec:
         """Whether a shard of the full plan belongs in this cache (always, but for part caches)."""
         part = parse_part(self.part)
         return part is None or shard_id % part[1] == part[0] - 1
+
+
+FLOAT8_FULL_LOGITS = ("--dtype float8 with --logits full: float8 shrinks the hidden states only, and full logits "
+                      "(every vocabulary entry per answer, kept in bfloat16) would outweigh them; use --logits exact "
+                      "(recomputed from the bfloat16 final state) or topk:K")
 
 
 def parse_part(text: str) -> tuple[int, int] | None:
@@ -323,8 +370,9 @@ class ArrayDef:
     """One array of a shard: what its rows are, its columns, dtype and where its values come from.
 
     rows: "examples" (one per example), "tokens" (one per prompt token, examples concatenated) or
-    "answers" (one per answer position). dtype: "int32", "int64" or "float" (the cache's logical
-    float dtype). columns: the sizes after the row dimension ("*" = the longest list of the shard,
+    "answers" (one per answer position). dtype: "int32", "int64", "float" (the cache's logical
+    float dtype), FLOAT8_E4M3 (float8 bytes; its row scales are the array `scale`, a SCALE_DTYPE
+    array whose `scale_of` names it) or SCALE_DTYPE. columns: the sizes after the row dimension ("*" = the longest list of the shard,
     zero-padded). Where the values come from: example-major arrays from the index.parquet column
     `field` (which verify and the reader cross-check); the prompt's token/answer arrays from the
     ExampleRecord attribute `field`; the teacher's outputs (`output` = their group, `field` empty)
@@ -339,20 +387,32 @@ class ArrayDef:
     field: str = ""
     layer: int | None = None
     output: str = ""
+    scale: str = ""  # a float8 array: the name of its scale array
+    scale_of: str = ""  # a scale array: the name of the float8 array it scales (written and read with it)
 
     @property
     def is_float(self) -> bool:
+        """Stored in the cache's (unquantised) float dtype."""
         return self.dtype == "float"
 
     @property
+    def is_quantized(self) -> bool:
+        return self.dtype == FLOAT8_E4M3
+
+    @property
     def is_output(self) -> bool:
-        """A teacher output (hidden states, final states, logits), not a prompt or example array."""
-        return bool(self.output)
+        """A teacher output (hidden states, final states, logits), not a prompt or example array; a
+        scale array is part of its output, not one of its own."""
+        return bool(self.output) and not self.scale_of
 
     def to_json(self, spec: CacheSpec) -> dict:
         info: dict = {"rows": self.rows, "columns": list(self.columns), "dims": list(self.dims)}
         if self.is_float:
-            return {**info, "dtype": spec.dtype, "storage_dtype": spec.storage_dtype}
+            return {**info, "dtype": spec.float_dtype, "storage_dtype": spec.storage_dtype}
+        if self.is_quantized:
+            return {**info, "dtype": self.dtype, "storage_dtype": FLOAT8_STORAGE, "scale": self.scale}
+        if self.scale_of:
+            return {**info, "dtype": self.dtype, "scale_of": self.scale_of}
         return {**info, "dtype": self.dtype}
 
 
@@ -383,8 +443,7 @@ def array_defs(spec: CacheSpec) -> list[ArrayDef]:
         ArrayDef(SLOT_ITEMS, "tokens", "int32", (), (t,), "slot_items"),
         ArrayDef(LABELS, "tokens", "int32", (), (t,), "labels"),
         ArrayDef(ANSWER_POSITIONS, "answers", "int32", (), (a,), "answers"),
-        *(_output(hidden_array(l), hidden_rows, "float", (d,), (hidden_rows[:-1], "feature"), HIDDEN_GROUP, l)
-          for l in spec.layers),
+        *(_hidden(spec, l, hidden_rows) for l in spec.layers),
         _output(FINAL_HIDDEN, "answers", "float", (d,), (a, "feature"), FINAL_HIDDEN_GROUP),
     ]
     policy = spec.logits
@@ -393,11 +452,23 @@ def array_defs(spec: CacheSpec) -> list[ArrayDef]:
                  _output(TOPK_INDICES, "answers", "int32", (policy.k,), (a, "rank"), LOGITS_GROUP)]
     elif policy.kind == "full":
         defs.append(_output(FULL_LOGITS, "answers", "float", (v,), (a, "vocab"), LOGITS_GROUP))
-    return defs
+    return [a for group in defs for a in (group if isinstance(group, tuple) else (group,))]
+
+
+def _hidden(spec: CacheSpec, layer: int, rows: str) -> tuple[ArrayDef, ...]:
+    """The array(s) of one cached layer: its states, and with float8 their scales right after."""
+    name, dims = hidden_array(layer), (rows[:-1], "feature")
+    if not spec.quantized:
+        return (_output(name, rows, "float", (spec.hidden_size,), dims, HIDDEN_GROUP, layer),)
+    return (ArrayDef(name, rows, FLOAT8_E4M3, (spec.hidden_size,), dims, layer=layer, output=HIDDEN_GROUP,
+                     scale=scale_array(name)),
+            ArrayDef(scale_array(name), rows, SCALE_DTYPE, (), dims[:1], layer=layer, output=HIDDEN_GROUP,
+                     scale_of=name))
 
 
 def output_defs(spec: CacheSpec) -> list[ArrayDef]:
-    """The teacher's outputs among `array_defs(spec)`, in the same order."""
+    """The teacher's outputs among `array_defs(spec)`, in the same order (scale arrays are part of
+    their float8 output, not listed)."""
     return [a for a in array_defs(spec) if a.is_output]
 
 

@@ -96,7 +96,7 @@ def _check_manifest_fields(loc: CacheLocation, manifest: dict, spec: S.CacheSpec
     where = S.MANIFEST
     if manifest.get("spec_hash") != spec.spec_hash:
         report.problems.append(f"{where}: spec_hash does not match the spec (expected {spec.spec_hash[:16]}…)")
-    if manifest.get("dtype") != {"logical": spec.dtype, "storage": spec.storage_dtype}:
+    if manifest.get("dtype") != spec.dtype_field():
         report.problems.append(f"{where}: dtype {manifest.get('dtype')} does not match spec.dtype {spec.dtype!r}")
     if manifest["arrays"] != S.array_layout(spec):
         report.problems.append(f"{where}: arrays do not match the layout the spec implies")
@@ -261,6 +261,10 @@ def _check_shard_content(store, spec: S.CacheSpec, entry: dict, index: pl.DataFr
             report.bad(name, f"/{a.name}: shape {arr.shape}, expected ({counts[a.rows]}, {', '.join(map(str, a.columns))})")
         if a.rows == "examples":
             examples[a.name] = np.asarray(arr[...])
+        if a.scale_of:  # a float8 row's value is byte x scale: a scale that is not finite and > 0 decodes garbage
+            scales = np.asarray(arr[...])
+            if scales.dtype != np.float32 or not (np.isfinite(scales) & (scales > 0)).all():
+                report.bad(name, f"/{a.name}: scales must be finite float32 > 0")
     if len(examples) < len(S.example_array_names(spec)):
         return
     if example_ids_digest(examples[S.EXAMPLE_ID].tolist()) != entry.get("example_ids_sha256"):
@@ -276,6 +280,13 @@ def _check_shard_content(store, spec: S.CacheSpec, entry: dict, index: pl.DataFr
         rows = index.filter(pl.col("shard") == entry["shard"])
         if not S.index_rows(spec, examples, entry["split"], entry["shard"]).equals(rows):
             report.bad(name, f": its examples/* arrays and the {S.INDEX} rows differ")
+
+
+def _storage_text(dtype: str) -> str:
+    if dtype == S.FLOAT8:
+        return (f"hidden states {S.FLOAT8_STORAGE} ({S.FLOAT8_E4M3}) + {S.SCALE_DTYPE} scale per row; other floats "
+                f"{S.FLOAT8_OTHERS} as {S.STORAGE_DTYPES[S.FLOAT8_OTHERS]}")
+    return S.STORAGE_DTYPES.get(dtype, "?")
 
 
 def cache_info(path_or_url: str | os.PathLike | CacheLocation, storage_options: dict | None = None) -> dict:
@@ -308,7 +319,7 @@ def cache_info(path_or_url: str | os.PathLike | CacheLocation, storage_options: 
         "hidden_size": spec.get("hidden_size"),
         "vocab_size": spec.get("vocab_size"),
         "dtype": spec.get("dtype"),
-        "storage_dtype": S.STORAGE_DTYPES.get(spec.get("dtype", ""), "?"),
+        "storage_dtype": _storage_text(spec.get("dtype", "")),
         "positions": spec.get("positions"),
         "logits": spec.get("logits"),
         "compression": spec.get("compression"),

@@ -28,7 +28,7 @@ from c2kd import __version__
 from c2kd.atomic import check_destination, publish_dir, staged_dir, temp_sibling, write_bytes
 from c2kd.cache_schema import schema as S
 from c2kd.cache_schema.checksum import bytes_digest, files_digest
-from c2kd.cache_schema.dtypes import to_storage
+from c2kd.cache_schema.dtypes import quantize_e4m3, to_storage
 from c2kd.cache_schema.plan import ShardPlan, example_ids_digest
 from c2kd.cache_schema.records import ExampleRecord, check_record
 from c2kd.cache_schema.schema import CacheSpec
@@ -103,10 +103,10 @@ class CacheWriter:
         check_destination(self.root)  # before any folder is made: a read-only place, /proc, a file in the way
         if manifest_path.is_file():
             manifest = S.parse_manifest(manifest_path.read_bytes(), str(manifest_path))
-            if manifest.get("schema_version") != S.SCHEMA_VERSION:
+            if manifest.get("schema_version") != self.spec.schema_version:
                 raise CacheError(
                     f"{self.root}: a cache of schema version {manifest.get('schema_version')!r}; this c2kd writes "
-                    f"version {S.SCHEMA_VERSION} — choose another output folder"
+                    f"version {self.spec.schema_version} for these settings — choose another output folder"
                 )
             if manifest.get("spec_hash") != self.spec_hash:
                 raise CacheError(
@@ -131,12 +131,12 @@ class CacheWriter:
     def _write_manifest(self, fields: dict) -> None:
         manifest = {
             "format": S.FORMAT,
-            "schema_version": S.SCHEMA_VERSION,
+            "schema_version": self.spec.schema_version,
             "complete": False,
             "created_by": f"c2kd {__version__}",
             "spec_hash": self.spec_hash,
             "spec": self.spec.to_dict(),
-            "dtype": {"logical": self.spec.dtype, "storage": self.spec.storage_dtype},
+            "dtype": self.spec.dtype_field(),
             **fields,
         }
         if manifest["complete"]:
@@ -271,7 +271,7 @@ class CacheWriter:
         final = self.root / S.shard_path(shard_id)
         tmp = temp_sibling(final)
         try:
-            write_group(tmp, arrays, attrs, self.spec.compression_codec)
+            write_group(tmp, arrays, attrs, self.spec.compression_codec, self.spec.schema_version)
             files = list_local_files(tmp)
             digest, per_file = files_digest(files, _read_local(tmp))
             publish_dir(tmp, final, replace=True, durable=True)  # replaces an unjournaled leftover of an earlier run
@@ -344,18 +344,26 @@ class CacheWriter:
             "token_offset": np.concatenate([[0], np.cumsum(tok_len, dtype=np.int64)[:-1]]), "token_length": tok_len,
             "answer_offset": np.concatenate([[0], np.cumsum(ans_len, dtype=np.int64)[:-1]]), "answer_length": ans_len,
         }
-        arrays: dict[str, tuple[np.ndarray, str | None, tuple[str, ...]]] = {}
-        for a in S.array_defs(spec):
+        arrays: dict[str, tuple[np.ndarray, dict, tuple[str, ...]]] = {}
+        defs = {a.name: a for a in S.array_defs(spec)}
+        for a in defs.values():
+            if a.scale_of:
+                continue  # written with the float8 array it scales
             if a.rows == "examples":
                 data = np.asarray(per_example[a.field], dtype=a.dtype)
             else:
                 parts = [r.values(a) for r in records]
                 width = int(np.prod(a.columns)) if a.columns else 1
+                if a.is_quantized:  # the record's floats (any dtype) -> e4m3 bytes + per-row scales
+                    data, scale = quantize_e4m3(_floats(parts, width, "float32"))
+                    arrays[a.name] = (data, {S.LOGICAL_DTYPE_ATTR: S.FLOAT8_E4M3, S.SCALE_ATTR: a.scale}, a.dims)
+                    arrays[a.scale] = (scale, {S.LOGICAL_DTYPE_ATTR: S.SCALE_DTYPE}, defs[a.scale].dims)
+                    continue
                 if a.is_float:
-                    data = _floats(parts, width, spec.dtype)
+                    data = _floats(parts, width, spec.float_dtype)
                 else:
                     data = np.concatenate([_ints(p) for p in parts]).astype(a.dtype).reshape(-1, *a.columns)
-            arrays[a.name] = (data, spec.dtype if a.is_float else None, a.dims)
+            arrays[a.name] = (data, {S.LOGICAL_DTYPE_ATTR: spec.float_dtype} if a.is_float else {}, a.dims)
         return arrays, int(tok_len.sum()), int(ans_len.sum())
 
     # --- sealing ------------------------------------------------------------------------------

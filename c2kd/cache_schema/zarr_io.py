@@ -15,7 +15,7 @@ import numpy as np
 import zarr
 from zarr.codecs import Crc32cCodec, ZstdCodec
 
-from c2kd.cache_schema.schema import CHUNK_TARGET_BYTES, FORMAT, LOGICAL_DTYPE_ATTR, SCHEMA_VERSION, Compression
+from c2kd.cache_schema.schema import CHUNK_TARGET_BYTES, FORMAT, Compression
 
 
 def _codecs(compression: Compression) -> list[Any]:
@@ -31,13 +31,15 @@ def chunk_rows(shape: tuple[int, ...], itemsize: int) -> int:
 
 def write_group(
     path: Path,
-    arrays: dict[str, tuple[np.ndarray, str | None, tuple[str, ...]]],
+    arrays: dict[str, tuple[np.ndarray, dict, tuple[str, ...]]],
     attributes: dict,
     compression: Compression,
+    schema_version: int,
 ) -> None:
-    """Write a new group at `path`: arrays maps name -> (data, logical dtype or None, dim names)."""
-    group = zarr.open_group(str(path), mode="w", zarr_format=3, attributes={"format": FORMAT, "schema_version": SCHEMA_VERSION, **attributes})
-    for name, (data, logical, dims) in arrays.items():
+    """Write a new group at `path`: arrays maps name -> (data, array attributes, dim names)."""
+    group = zarr.open_group(str(path), mode="w", zarr_format=3,
+                            attributes={"format": FORMAT, "schema_version": schema_version, **attributes})
+    for name, (data, array_attributes, dims) in arrays.items():
         rows = chunk_rows(data.shape, data.dtype.itemsize)
         shard_rows = math.ceil(max(data.shape[0], 1) / rows) * rows
         arr = zarr.create_array(
@@ -49,7 +51,7 @@ def write_group(
             shards=(shard_rows, *data.shape[1:]),
             compressors=_codecs(compression),
             fill_value=0,
-            attributes={LOGICAL_DTYPE_ATTR: logical} if logical else {},
+            attributes=array_attributes,
             dimension_names=dims,
             chunk_key_encoding={"name": "default", "separator": "."},  # c.0.0 files: fewer folders to fsync
             config={"write_empty_chunks": True},

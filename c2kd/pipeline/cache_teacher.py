@@ -31,7 +31,7 @@ from c2kd.cache_schema.dtypes import TORCH_DTYPES
 from c2kd.cache_schema.merge import part_plan
 from c2kd.cache_schema.plan import ShardPlan
 from c2kd.cache_schema.records import answer_positions
-from c2kd.cache_schema.schema import POSITIONS, STORAGE_DTYPES, Compression, LogitsPolicy, parse_part
+from c2kd.cache_schema.schema import CACHE_DTYPES, FLOAT8, FLOAT8_FULL_LOGITS, POSITIONS, Compression, LogitsPolicy, parse_part
 from c2kd.errors import C2KDError, CacheError
 from c2kd.data.examples import SPLITS, ExampleSet, fixed_subset, load_examples
 from c2kd.pipeline.shard_writers import WRITERS, BatchOutputs, ShardJob, ShardWriter, start_shard_writer
@@ -76,10 +76,12 @@ class CacheTeacherSettings:
                 raise C2KDError(f"--layers {','.join(map(str, self.layers))}: expected distinct layer numbers >= 1")
         if self.positions not in POSITIONS:
             raise C2KDError(f"--positions {self.positions!r}: expected one of {', '.join(POSITIONS)}")
-        if self.dtype not in STORAGE_DTYPES:
-            raise C2KDError(f"--dtype {self.dtype!r}: expected one of {', '.join(STORAGE_DTYPES)}")
+        if self.dtype not in CACHE_DTYPES:
+            raise C2KDError(f"--dtype {self.dtype!r}: expected one of {', '.join(CACHE_DTYPES)}")
         if not isinstance(self.logits, LogitsPolicy):  # `--logits` text: parsed once, here
             object.__setattr__(self, "logits", LogitsPolicy.parse(self.logits))
+        if self.dtype == FLOAT8 and self.logits.kind == "full":
+            raise C2KDError(FLOAT8_FULL_LOGITS)
         Compression.parse(self.compression)
         if self.max_examples is not None and self.max_examples < 1:
             raise C2KDError(f"--max-examples must be >= 1, got {self.max_examples}")
@@ -151,8 +153,9 @@ class TeacherRunner:
             raise CacheError("the teacher soft-caps its logits; the cache's head(final state) cannot represent that")
         if getattr(model.base_lm().get_output_embeddings(), "bias", None) is not None:
             raise CacheError("the teacher's LM head has a bias; the cache stores the head weight only")
-        # what each output is cast to before it leaves the device: the cache's float dtype, or int32
-        self._storage = {a.name: TORCH_DTYPES[spec.dtype] if a.is_float else getattr(torch, a.dtype)
+        # what each output is cast to before it leaves the device: the cache's float dtype (float8 hidden
+        # states leave in the other floats' bfloat16: the writer quantises them off the forward's path), or int32
+        self._storage = {a.name: TORCH_DTYPES[spec.float_dtype] if a.is_float or a.is_quantized else getattr(torch, a.dtype)
                          for a in S.output_defs(spec)}
         self.forward_seconds = 0.0
 
