@@ -375,7 +375,7 @@ def cache_teacher_cmd(
     layers: Optional[str] = typer.Option(None, "--layers", help="Comma-separated teacher layers (1-indexed); default: the late layers L-s..L-4s, s = max(1, L // 16)."),
     positions: str = _field(CTS, "positions", "--positions", "Hidden states at all tokens (all) or at answer positions only (answer)."),
     logits: str = _field(CTS, "logits", "--logits", "exact (recomputed from final hidden states + stored head), topk:K, or full."),
-    dtype: str = _field(CTS, "dtype", "--dtype", "Stored float dtype: bfloat16, float16 or float32."),
+    dtype: str = _field(CTS, "dtype", "--dtype", "Stored float dtype: bfloat16, float16, float32, or float8 (hidden states as e4m3 with a scale per token and layer, about half the bytes of bfloat16; the final states exact logits come from stay bfloat16)."),
     compression: str = _field(CTS, "compression", "--compression", "zstd, zstd:LEVEL or none."),
     max_tokens_per_batch: int = _field(CTS, "max_tokens_per_batch", "--max-tokens-per-batch", "Padded tokens per teacher forward (length-bucketed batches)."),
     examples_per_shard: int = _field(CTS, "examples_per_shard", "--examples-per-shard", "Examples per shard (the unit of writing, resuming and reading)."),
@@ -386,6 +386,7 @@ def cache_teacher_cmd(
     backend: str = _field(CTS, "backend", "--backend", "What runs the teacher: transformers, or vllm (its own install; see the README)."),
     tensor_parallel: int = _field(CTS, "tensor_parallel", "--tensor-parallel", "vLLM: GPUs to split the teacher over."),
     vllm_states: str = _field(CTS, "vllm_states", "--vllm-states", "vLLM: how the layers come back: extract (vLLM's extract_hidden_states, compiled graphs), hooks (eager model), or auto (extract where the model and prompts allow it)."),
+    vllm_memory: Optional[float] = _field(CTS, "vllm_memory", "--vllm-memory", "vLLM: share of the device's memory the engine may take (0 < share <= 1); default: sized from the machine (0.9 of a dedicated GPU, less what is in use; on the CPU a KV cache from the free memory).", kind=float),
     progress: bool = _field(CTS, "progress", "--progress/--no-progress", "Show a progress bar."),
 ) -> None:
     """Stage one: run the teacher once and write the teacher cache (sharded Zarr + Parquet index).
@@ -400,7 +401,7 @@ def cache_teacher_cmd(
             positions=positions, logits=logits, dtype=dtype, compression=compression,
             max_tokens_per_batch=max_tokens_per_batch, examples_per_shard=examples_per_shard, device=device,
             writer=writer, part=part, max_examples=max_examples, backend=backend, tensor_parallel=tensor_parallel,
-            vllm_states=vllm_states, progress=progress,
+            vllm_states=vllm_states, vllm_memory=vllm_memory, progress=progress,
         )
         summary = cache_teacher(teacher, data, out, settings)
     if summary["rank"] != 0:
