@@ -44,7 +44,7 @@ from c2kd.student.diagnostics import probe_report
 from c2kd.student.filters import LayerFilters, init_as_lens, stage1_loss
 from c2kd.student.kd_support import ITEM_SUPPORTS, KD_SUPPORTS
 from c2kd.student.layer_map import uniform_layer_map
-from c2kd.student.objective import METHODS, DistillModel, LossWeights, term_weights
+from c2kd.student.objective import METHODS, WEIGHTS, DistillModel, LossWeights, term_weights
 from c2kd.student.report import distill_record, epoch_diagnostics, finish, run_diagnostics
 from c2kd.student.router import parse_router
 from c2kd.training import TrainConfig, TrainResult, comparable_config, train
@@ -84,7 +84,7 @@ class DistillRecipe(LossWeights):
         if self.kd_over in ITEM_SUPPORTS and self.method in ("sft", "feature-kd"):
             raise C2KDError(f"--kd-over {self.kd_over} changes the logit losses; --method {self.method} has none (drop --kd-over)")
         check_source(self.student, self.shrink, self.item_head)
-        for name in ("w_feat", "w_logit", "w_orth", "w_own_logit", "stage1_epochs"):
+        for name in (*WEIGHTS, "stage1_epochs"):
             if getattr(self, name) < 0:
                 raise C2KDError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.router_layers is not None:

@@ -18,7 +18,7 @@ own head; there is no feat_mlp, so no L_orth either).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor, nn
@@ -149,9 +149,12 @@ def c2kd(m: DistillModel, batch: CachedBatch) -> dict[str, Tensor]:
     return {"loss": loss, **terms, **routing.counts()}
 
 
+WEIGHTS = tuple(f.name for f in fields(LossWeights) if f.name.startswith("w_"))  # w_X weighs the term X
+
+
 def term_weights(w: LossWeights) -> dict[str, float]:
     """Each logged loss term's weight in the total (what its gradient share is measured with)."""
-    return {"lm": 1.0, "feat": w.w_feat, "logit": w.w_logit, "orth": w.w_orth, "own_logit": w.w_own_logit}
+    return {"lm": 1.0, **{name.removeprefix("w_"): getattr(w, name) for name in WEIGHTS}}
 
 
 OBJECTIVES = {"sft": sft, "logit-kd": logit_kd, "feature-kd": feature_kd, "c2kd": c2kd}
