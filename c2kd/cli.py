@@ -28,7 +28,7 @@ from c2kd.deploy.export import export_ranker as _export_ranker
 from c2kd.finetune.teacher import LoraSettings, TeacherRecipe
 from c2kd.pipeline.cache_teacher import CacheTeacherSettings
 from c2kd.sasrec.train import SASRecTrainConfig, evaluate_sasrec as _evaluate_sasrec
-from c2kd.student.distill import DistillRecipe
+from c2kd.student.distill import DistillRecipe, distill as _distill
 from c2kd.training import MAX_SEED, TrainConfig
 
 app = typer.Typer(help="c2kd: distil an LLM recommender into a small on-device one (C2KD).", no_args_is_help=True)
@@ -268,6 +268,8 @@ ItemHelp = ("Score items with their token row (token) or with it plus the projec
 KeepCheckpoints = Annotated[bool, typer.Option("--keep-checkpoints", help="Keep OUT.partial/ (checkpoints) after finishing.")]
 Overwrite = Annotated[bool, typer.Option("--overwrite", help="Replace an existing model folder.")]
 ShowProgress = Annotated[bool, typer.Option("--progress/--no-progress", help="Show progress bars.")]
+BF16, PROGRESS = _default(TrainConfig, "bf16"), _default(TrainConfig, "progress")
+KEEP, OVERWRITE = _default(_distill, "keep_checkpoints"), _default(_distill, "overwrite")  # as train_teacher's
 
 
 def _train_config(**given: object) -> dict:
@@ -311,9 +313,9 @@ def train_teacher_cmd(
     sasrec_kd: float = _field(TeacherRecipe, "sasrec_kd", "--sasrec-kd", "ids: also distil the SASRec run's catalog distribution into the answer item's logits (KL, this weight): collaborative knowledge for a pretrained LM."),
     epochs: Epochs = None, max_steps: MaxSteps = None, batch_size: BatchSize = None, grad_accum: GradAccum = None,
     lr: Lr = None, weight_decay: WeightDecay = None, warmup_ratio: WarmupRatio = None, max_grad_norm: MaxGradNorm = None,
-    checkpoint_every: CheckpointEvery = None, eval_every: EvalEvery = None, seed: Seed = None, bf16: Bf16 = False,
+    checkpoint_every: CheckpointEvery = None, eval_every: EvalEvery = None, seed: Seed = None, bf16: Bf16 = BF16,
     device: Device = None, max_train: MaxTrain = None, max_val: MaxVal = None,
-    keep_checkpoints: KeepCheckpoints = False, overwrite: Overwrite = False, progress: ShowProgress = True,
+    keep_checkpoints: KeepCheckpoints = KEEP, overwrite: Overwrite = OVERWRITE, progress: ShowProgress = PROGRESS,
 ) -> None:
     """Fine-tune a recommender LM on the answer tokens (the teacher, or a student alone = SFT).
 
@@ -604,9 +606,9 @@ def distill_cmd(
     read_cache: Optional[Path] = typer.Option(None, "--read-cache", help="For a cache at a URL: a local folder keeping each fetched file, so it is fetched once [default: $C2KD_HOME/remote-caches]."),
     epochs: Epochs = None, max_steps: MaxSteps = None, batch_size: BatchSize = None, grad_accum: GradAccum = None,
     lr: Lr = None, weight_decay: WeightDecay = None, warmup_ratio: WarmupRatio = None, max_grad_norm: MaxGradNorm = None,
-    checkpoint_every: CheckpointEvery = None, eval_every: EvalEvery = None, seed: Seed = None, bf16: Bf16 = False,
+    checkpoint_every: CheckpointEvery = None, eval_every: EvalEvery = None, seed: Seed = None, bf16: Bf16 = BF16,
     device: Device = None, max_train: MaxTrain = None, max_val: MaxVal = None,
-    keep_checkpoints: KeepCheckpoints = False, overwrite: Overwrite = False, progress: ShowProgress = True,
+    keep_checkpoints: KeepCheckpoints = KEEP, overwrite: Overwrite = OVERWRITE, progress: ShowProgress = PROGRESS,
 ) -> None:
     """Distil a student from a teacher cache (no teacher weights are loaded).
 
