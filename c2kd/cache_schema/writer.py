@@ -344,7 +344,7 @@ class CacheWriter:
             "token_offset": np.concatenate([[0], np.cumsum(tok_len, dtype=np.int64)[:-1]]), "token_length": tok_len,
             "answer_offset": np.concatenate([[0], np.cumsum(ans_len, dtype=np.int64)[:-1]]), "answer_length": ans_len,
         }
-        arrays: dict[str, tuple[np.ndarray, dict, tuple[str, ...]]] = {}
+        arrays: dict[str, tuple[np.ndarray, dict, tuple[str, ...], bool]] = {}
         defs = {a.name: a for a in S.array_defs(spec)}
         for a in defs.values():
             if a.scale_of:
@@ -356,14 +356,15 @@ class CacheWriter:
                 width = int(np.prod(a.columns)) if a.columns else 1
                 if a.is_quantized:  # the record's floats (any dtype) -> e4m3 bytes + per-row scales
                     data, scale = quantize_e4m3(_floats(parts, width, "float32"))
-                    arrays[a.name] = (data, {S.LOGICAL_DTYPE_ATTR: S.FLOAT8_E4M3, S.SCALE_ATTR: a.scale}, a.dims)
-                    arrays[a.scale] = (scale, {S.LOGICAL_DTYPE_ATTR: S.SCALE_DTYPE}, defs[a.scale].dims)
+                    arrays[a.name] = (data, {S.LOGICAL_DTYPE_ATTR: S.FLOAT8_E4M3, S.SCALE_ATTR: a.scale}, a.dims,
+                                      a.feature_major)
+                    arrays[a.scale] = (scale, {S.LOGICAL_DTYPE_ATTR: S.SCALE_DTYPE}, defs[a.scale].dims, False)
                     continue
                 if a.is_float:
                     data = _floats(parts, width, spec.float_dtype)
                 else:
                     data = np.concatenate([_ints(p) for p in parts]).astype(a.dtype).reshape(-1, *a.columns)
-            arrays[a.name] = (data, {S.LOGICAL_DTYPE_ATTR: spec.float_dtype} if a.is_float else {}, a.dims)
+            arrays[a.name] = (data, {S.LOGICAL_DTYPE_ATTR: spec.float_dtype} if a.is_float else {}, a.dims, a.feature_major)
         return arrays, int(tok_len.sum()), int(ans_len.sum())
 
     # --- sealing ------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import zarr
-from zarr.codecs import Crc32cCodec, ZstdCodec
+from zarr.codecs import Crc32cCodec, TransposeCodec, ZstdCodec
 
 from c2kd.cache_schema.schema import CHUNK_TARGET_BYTES, FORMAT, Compression
 
@@ -31,15 +31,17 @@ def chunk_rows(shape: tuple[int, ...], itemsize: int) -> int:
 
 def write_group(
     path: Path,
-    arrays: dict[str, tuple[np.ndarray, dict, tuple[str, ...]]],
+    arrays: dict[str, tuple[np.ndarray, dict, tuple[str, ...], bool]],
     attributes: dict,
     compression: Compression,
     schema_version: int,
 ) -> None:
-    """Write a new group at `path`: arrays maps name -> (data, array attributes, dim names)."""
+    """Write a new group at `path`: arrays maps name -> (data, array attributes, dim names, feature-major).
+    A feature-major array keeps its [rows, features] shape; only its chunks' bytes are laid out by
+    feature (Zarr's `transpose` codec), which zstd compresses better when a feature's values are alike."""
     group = zarr.open_group(str(path), mode="w", zarr_format=3,
                             attributes={"format": FORMAT, "schema_version": schema_version, **attributes})
-    for name, (data, array_attributes, dims) in arrays.items():
+    for name, (data, array_attributes, dims, feature_major) in arrays.items():
         rows = chunk_rows(data.shape, data.dtype.itemsize)
         shard_rows = math.ceil(max(data.shape[0], 1) / rows) * rows
         arr = zarr.create_array(
@@ -49,6 +51,7 @@ def write_group(
             dtype=data.dtype,
             chunks=(rows, *data.shape[1:]),
             shards=(shard_rows, *data.shape[1:]),
+            filters=[TransposeCodec(order=(1, 0))] if feature_major else None,
             compressors=_codecs(compression),
             fill_value=0,
             attributes=array_attributes,
