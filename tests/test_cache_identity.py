@@ -117,11 +117,16 @@ def test_push_to_a_folder_and_pull_back(form, tmp_path, capsys):
     assert main(["cache", "push", str(cache), url]) == 0, capsys.readouterr().err
     assert verify_cache(shared).ok
     assert (shared / "manifest.json").read_bytes() == (cache / "manifest.json").read_bytes()
-    # a cut push (a shard file and the manifest never arrived) is finished by pushing again
+    # a cut push (a shard file and the manifest never arrived, a file damaged at its full size) is
+    # finished by pushing again
     (shared / "manifest.json").unlink()
     next(shared.glob("shards/shard-00001/*/c.*")).unlink()
+    damaged = next(shared.glob("shards/shard-00002/*/c.*"))
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    damaged.write_bytes(bytes(data))
     assert main(["cache", "push", str(cache), url]) == 0
-    assert "1 files" in capsys.readouterr().out and verify_cache(shared).ok
+    assert "2 files" in capsys.readouterr().out and verify_cache(shared).ok
     assert main(["cache", "push", str(cache), url]) == 0
     assert "already holds this cache" in capsys.readouterr().out
     back = tmp_path / "back"

@@ -110,7 +110,8 @@ def push(cache: str | os.PathLike, url: str, storage_options: dict | None = None
     manifest = read_manifest(local)  # complete, unmodified, of a known schema
     fs, root = _remote(url, storage_options)
     _check_local_target(fs, root, url)
-    if _is_local(fs) and local.local_root in Path(root).resolve().parents:
+    local_target = _is_local(fs)
+    if local_target and local.local_root in Path(root).resolve().parents:
         raise CacheError(f"{url}: inside the cache {local.local_root} itself; push to a folder outside it")
     fs.invalidate_cache()  # listings cached by an earlier call in this process may be stale
     remote_manifest = f"{root}/{S.MANIFEST}"
@@ -131,6 +132,8 @@ def push(cache: str | os.PathLike, url: str, storage_options: dict | None = None
             same = _talk(url, f"look at {f.rel}", lambda: fs.size(target)) == f.size
         except FileNotFoundError:
             same = False
+        if same and local_target:  # a folder's file can be cut or damaged at the right size: its bytes decide
+            same = _sha256(Path(target)) == f.sha256
         if same:
             skipped += 1
         else:
