@@ -122,3 +122,28 @@ def test_the_states_mechanism_follows_the_architecture_and_the_prompts(vllm_pyth
     proc = subprocess.run([vllm_python, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "['extract', 'hooks', 'hooks', 'hooks']"
+
+
+@pytest.mark.parametrize("fmt", ["ids", "llara"])
+def test_gemma3_teacher_with_the_engine_sized_to_the_machine(vllm_python, examples, tmp_path, fmt):
+    """An untrained Gemma-3-270M recommender: with vLLM's memory sized from the machine (the fixed 0.2
+    share stopped it on a 24 GiB machine), the vLLM cache equals the transformers one."""
+    emb = torch.randn(examples.num_items + 1, 64, generator=torch.Generator().manual_seed(0))
+    emb[0] = 0
+    RecLM.from_pretrained("gemma3-270m", emb, fmt, data_fingerprint=examples.fingerprint, seed=3) \
+        .save(tmp_path / "teacher")
+    args = ["--splits", "validation,test", "--max-examples", "24", "--logits", "topk:20"]
+    cache_teacher(tmp_path / "teacher", examples, tmp_path / "hf", CacheTeacherSettings(
+        splits=("validation", "test"), max_examples=24, logits="topk:20", progress=False))
+    assert _vllm_cache(vllm_python, tmp_path / "teacher", examples.root, tmp_path / "vllm", *args) == "hooks"
+    a, b = TeacherCache.open(tmp_path / "hf"), TeacherCache.open(tmp_path / "vllm")
+    ids = a.index["example_id"].to_list()
+    assert len(ids) == 48 and b.index["example_id"].to_list() == ids
+    x, y = a.get(ids), b.get(ids)
+    assert torch.equal(x.topk_indices[x.answer_mask], y.topk_indices[y.answer_mask])
+    rows = x.hidden_mask
+    for p, q in [(x.hidden[l][rows], y.hidden[l][rows]) for l in a.layers] + [(x.final_hidden[x.answer_mask],
+                                                                             y.final_hidden[y.answer_mask])]:
+        p, q = p.float(), q.float()
+        one_step = 2.0**-7 * torch.maximum(p.abs(), q.abs()) + 1e-6  # bfloat16's spacing at these values
+        assert ((p - q).abs() <= one_step).float().mean() >= 0.999
