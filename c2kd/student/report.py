@@ -47,7 +47,7 @@ def choice_entropy(counts: Iterable[int]) -> float:
     """Entropy (nats) of the router's choices: 0 when one layer takes every example, ln K when K share them evenly."""
     p = np.array([c for c in counts if c > 0], dtype=np.float64)
     p = p / max(p.sum(), 1.0)
-    return float(-(p * np.log(p)).sum()) if p.size else 0.0
+    return float(abs((p * np.log(p)).sum())) if p.size else 0.0  # abs: one layer gives 0.0, not -0.0
 
 
 def distill_record(recipe: Any, cache: TeacherCache, cache_path: str, model: Any, examples: ExampleSet,
