@@ -124,6 +124,17 @@ def test_the_states_mechanism_follows_the_architecture_and_the_prompts(vllm_pyth
     assert proc.stdout.strip().splitlines()[-1] == "['extract', 'hooks', 'hooks', 'hooks']"
 
 
+def _same_top_k(x, y) -> bool:
+    """The same top-k tokens per answer, ranked alike but for near-ties: a token may change rank only
+    between logits within one bfloat16 step of each other (equal logits come out in either order)."""
+    mask = x.answer_mask
+    for v, p, q in zip(x.topk_values[mask].float().tolist(), x.topk_indices[mask].tolist(), y.topk_indices[mask].tolist()):
+        rank_y = {t: k for k, t in enumerate(q)}
+        if set(p) != set(q) or any(abs(v[k] - v[rank_y[t]]) > 2.0**-7 * abs(v[k]) + 1e-6 for k, t in enumerate(p)):
+            return False
+    return True
+
+
 @pytest.mark.parametrize("fmt", ["ids", "llara"])
 def test_gemma3_teacher_with_the_engine_sized_to_the_machine(vllm_python, examples, tmp_path, fmt):
     """An untrained Gemma-3-270M recommender: with vLLM's memory sized from the machine (the fixed 0.2
@@ -140,7 +151,7 @@ def test_gemma3_teacher_with_the_engine_sized_to_the_machine(vllm_python, exampl
     ids = a.index["example_id"].to_list()
     assert len(ids) == 48 and b.index["example_id"].to_list() == ids
     x, y = a.get(ids), b.get(ids)
-    assert torch.equal(x.topk_indices[x.answer_mask], y.topk_indices[y.answer_mask])
+    assert _same_top_k(x, y)
     rows = x.hidden_mask
     for p, q in [(x.hidden[l][rows], y.hidden[l][rows]) for l in a.layers] + [(x.final_hidden[x.answer_mask],
                                                                              y.final_hidden[y.answer_mask])]:
