@@ -14,7 +14,10 @@ into WORK (a finished cache is reused: rerunning resumes where it stopped), then
   how often the top-1 token changes;
 - int8 as the alternative: the bfloat16 hidden states quantised to int8 with one absmax scale per
   row, its cosine, and its zstd bytes against float8's on the same arrays (each also with its chunks
-  stored feature-major, as float8 caches store them, bfloat16 included: what that layout alone gives).
+  stored feature-major, as float8 caches store them, bfloat16 included: what that layout alone gives);
+- with --student-seeds 0,1: a C2KD student distilled from each cache per seed (WORK/students/DTYPE-sSEED,
+  kept and reused), compared paired per user on test (c2kd.compare): the HR@1 difference float8 -
+  bfloat16 with its bootstrap CI; the goal is a CI that contains 0 and |difference| <= 0.005.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ if __package__ in (None, ""):  # run as a file: the repository root, for `benchm
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import write_result  # noqa: E402
 from c2kd.cache_schema import TeacherCache  # noqa: E402
+from c2kd.compare import paired_comparison  # noqa: E402
 from c2kd.cache_schema.dtypes import dequantize_e4m3, quantize_e4m3  # noqa: E402
 from c2kd.cache_schema.zarr_io import chunk_rows  # noqa: E402
 
@@ -117,6 +121,31 @@ def compare(bf16: TeacherCache, f8: TeacherCache, batch: int) -> dict:
             "hidden_zstd_bytes_same_arrays": size, "exact_logits": logit}
 
 
+STUDENT = ["--student", "smollm2-135m", "--shrink", "first:2", "--kd-over", "items", "--epochs", "3", "--lr", "1e-3",
+           "--max-train", "256", "--max-val", "200", "--no-progress"]
+
+
+def students(args: argparse.Namespace, caches: dict) -> dict:
+    """Distil a student from each cache per seed (reusing finished runs); compare them paired per user."""
+    seeds = [int(s) for s in args.student_seeds.split(",") if s.strip()]
+    runs: dict[str, dict[int, Path]] = {dtype: {} for dtype in DTYPES}
+    for seed in seeds:
+        for dtype in DTYPES:
+            out = Path(args.work) / "students" / f"{dtype}-s{seed}"
+            command = [sys.executable, "-m", "c2kd.cli", "distill", "--cache", caches[dtype]["path"], "--data",
+                       args.data, "--out", str(out), "--seed", str(seed), *STUDENT]
+            if not (out / "predictions.parquet").is_file():
+                proc = subprocess.run(command, capture_output=True, text=True)
+                if proc.returncode != 0:
+                    raise SystemExit(f"distill from the {dtype} cache, seed {seed}, failed: {proc.stderr.strip()[-2000:]}")
+            runs[dtype][seed] = out
+    c = paired_comparison(runs["float8"], runs["bfloat16"], "float8", "bfloat16", split="test")
+    return {"command": "distill --cache CACHE --data DATA --out OUT --seed SEED " + " ".join(STUDENT), "text": str(c),
+            "hr1_float8": c.mean_a, "hr1_bfloat16": c.mean_b, "diff": c.diff, "ci": [c.ci_low, c.ci_high],
+            "p_value": c.p_value, "users": c.n_users, "seeds": list(c.seeds),
+            "goal_met": c.ci_low <= 0 <= c.ci_high and abs(c.diff) <= 0.005}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--teacher", required=True)
@@ -125,6 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-examples", type=int, default=256)
     p.add_argument("--work", default="/tmp/c2kd-cache-dtype", help="where the caches are written (and reused)")
     p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--student-seeds", default="", help="e.g. 0,1: also compare students distilled from both caches")
     p.add_argument("--json", default="benchmarks/results/cache_dtype/result.json")
     args = p.parse_args(argv)
     caches = {dtype: make_cache(dtype, args) for dtype in DTYPES}
@@ -133,6 +163,8 @@ def main(argv: list[str] | None = None) -> None:
               "hidden_bytes_ratio": caches["float8"]["hidden_bytes_per_token"] / caches["bfloat16"]["hidden_bytes_per_token"],
               **compare(TeacherCache.open(caches["bfloat16"]["path"]), TeacherCache.open(caches["float8"]["path"]),
                         args.batch)}
+    if args.student_seeds:
+        result["students"] = students(args, caches)
     path = write_result(args.json, result)
     print(json.dumps(result, indent=1))
     print(f"written to {path}")
