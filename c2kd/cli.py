@@ -601,6 +601,7 @@ def distill_cmd(
     kd_over: str = _field(DR, "kd_over", "--kd-over", "Support of the logit losses: vocab (the paper), items (the item tokens at the item-predicting answer, ids only) or candidates (as items, narrowed to the example's candidates: the ranking the metrics measure)."),
     stage1_epochs: int = _field(DR, "stage1_epochs", "--stage1-epochs", "Epochs of stage 1 (layer filters on cached teacher states; c2kd only)."),
     stage1_lr: float = _field(DR, "stage1_lr", "--stage1-lr", "Learning rate of stage 1."),
+    stage1_select: str = _field(DR, "stage1_select", "--stage1-select", "What picks stage 1's best epoch on held-out examples: ce (the probes' cross-entropy) or hr1 (their mean HR@1 over each example's candidates)."),
     stage1_holdout: float = _field(DR, "stage1_holdout", "--stage1-holdout", "For a cache without a validation split: the share of its train examples stage 1 holds out to judge its probes and pick its best epoch."),
     select_metric: str = _field(DR, "select_metric", "--select-metric", "Validation metric that picks the best state."),
     read_cache: Optional[Path] = typer.Option(None, "--read-cache", help="For a cache at a URL: a local folder keeping each fetched file, so it is fetched once [default: $C2KD_HOME/remote-caches]."),
@@ -625,7 +626,7 @@ def distill_cmd(
             router_layers=_int_list(router_layers, "--router-layers"), cross_head=cross_head,
             orth=orth, w_feat=w_feat, w_logit=w_logit, w_orth=w_orth, tau=tau, w_own_logit=w_own_logit, kd_over=kd_over,
             stage1_epochs=stage1_epochs, stage1_lr=stage1_lr, max_train=max_train, max_val=max_val, select_metric=select_metric,
-            student_layer=student_layer, filter_init=filter_init, stage1_holdout=stage1_holdout,
+            student_layer=student_layer, filter_init=filter_init, stage1_holdout=stage1_holdout, stage1_select=stage1_select,
         )
         config = _train_config(epochs=epochs, max_steps=max_steps, batch_size=batch_size, grad_accum=grad_accum, lr=lr,
                                weight_decay=weight_decay, warmup_ratio=warmup_ratio, max_grad_norm=max_grad_norm,

@@ -81,12 +81,18 @@ def test_a_c2kd_run_reports_its_probes_router_and_gradient_shares(cache, example
 
 def test_without_a_validation_split_stage1_holds_out_train_examples(train_only_cache, examples, tmp_path):
     record = distill(train_only_cache, examples.root, tmp_path / "s",
-                     DistillRecipe(student="micro", stage1_holdout=0.25), {**TRAIN, "epochs": 1})
+                     DistillRecipe(student="micro", stage1_holdout=0.25, stage1_epochs=3, stage1_select="hr1"),
+                     {**TRAIN, "epochs": 1})
     assert record["diagnostics"]["stage1"]["layers"]
     train = TeacherCache.open(train_only_cache).split_ids("train").size
     stage1_lines = [json.loads(l) for l in (tmp_path / "s" / "stage1_log.jsonl").read_text().splitlines()]
     epoch = [r for r in stage1_lines if r["kind"] == "epoch"][0]
     assert epoch["step"] == math.ceil(round(0.75 * train) / 16)  # stage 1 saw only the rest
+    evals = [r for r in stage1_lines if r["kind"] == "eval"]
+    kept = max(evals, key=lambda r: (r["probe_HR@1_mean"], -r["step"]))  # the first epoch with the best mean HR@1
+    assert [r["step"] for r in evals if r["best"]][-1] == kept["step"]
+    with pytest.raises(C2KDError, match="--stage1-select 'auc'"):
+        DistillRecipe(stage1_select="auc")
     assert record["data"]["train_examples"] == train  # stage 2 trains on all of them
 
 

@@ -63,6 +63,7 @@ def probe_report(filters: LayerFilters, cache: TeacherCache, example_ids: Sequen
     out["probe_ce"] = float(np.mean([out[f"ce_layer_{l}"] for l in layers]))
     out["neg_probe_ce"] = -out["probe_ce"]  # what stage 1 selects its best epoch on (the trainer maximises)
     out["probe_HR@1_best"] = max(out[f"HR@1_layer_{l}"] for l in layers)
+    out["probe_HR@1_mean"] = float(np.mean([out[f"HR@1_layer_{l}"] for l in layers]))
     out["teacher_HR@1"] = teacher_hits / max(ranked, 1)
     out["chance_HR@1"] = 1.0 / max(num_candidates, 1)
     out["chance_ce"] = math.log(len(item_tokens) if classes is not None else head_weight.shape[0])

@@ -52,8 +52,9 @@ from c2kd.training import TrainConfig, TrainResult, comparable_config, train
 # Settings added after distill runs were first recorded, with the value those runs used: a finished
 # or interrupted run recorded without one is still the same run.
 SETTINGS_ADDED = {"kd_over": "vocab", "w_own_logit": 0.0, "router_layers": None, "student_layer": "penultimate",
-                  "filter_init": "random", "stage1_holdout": 0.1}
+                  "filter_init": "random", "stage1_holdout": 0.1, "stage1_select": "ce"}
 STUDENT_LAYERS = ("penultimate", "last")
+STAGE1_SELECT = {"ce": "neg_probe_ce", "hr1": "probe_HR@1_mean"}  # what stage 1's best epoch maximises
 FILTER_INITS = ("random", "lens")  # lens: identity filters + the teacher's head as the probe head (filters.py)
 
 
@@ -70,6 +71,7 @@ class DistillRecipe(LossWeights):
     stage1_lr: float = 1e-3
     filter_init: str = "random"  # random | lens (needs the student's width = the teacher's)
     stage1_holdout: float = 0.1  # without a cached validation split: the share of train examples stage 1 holds out
+    stage1_select: str = "ce"  # stage 1's best epoch by the probes' held-out CE (ce) or mean HR@1 over the candidates (hr1)
     max_train: int | None = None  # a fixed random subset of the cached train split (CPU runs)
     max_val: int | None = None  # the first N validation examples for model selection
     select_metric: str = DEFAULT_SELECT_METRIC
@@ -100,6 +102,8 @@ class DistillRecipe(LossWeights):
             raise C2KDError(f"--student-layer {self.student_layer!r}: expected one of {', '.join(STUDENT_LAYERS)}")
         if self.filter_init not in FILTER_INITS:
             raise C2KDError(f"--filter-init {self.filter_init!r}: expected one of {', '.join(FILTER_INITS)}")
+        if self.stage1_select not in STAGE1_SELECT:
+            raise C2KDError(f"--stage1-select {self.stage1_select!r}: expected one of {', '.join(STAGE1_SELECT)}")
         if not 0.0 < self.stage1_holdout < 1.0:
             raise C2KDError(f"--stage1-holdout must be between 0 and 1 (exclusive), got {self.stage1_holdout}")
         if self.router == "probe" and self.stage1_epochs == 0 and self.filter_init == "random":
@@ -193,7 +197,8 @@ def _stage1_split(recipe: DistillRecipe, cache: TeacherCache, train_ids: np.ndar
 def _stage1(recipe: DistillRecipe, cache: TeacherCache, train_ids: np.ndarray, config: TrainConfig, student: RecLM,
             head_weight: torch.Tensor, work: Path) -> tuple[LayerFilters, TrainResult | None, dict]:
     """C2KD stage 1: the layer filters g_l of the router's candidate layers on the cached teacher states
-    (the teacher frozen by construction), the best epoch chosen on held-out examples by the probes' CE.
+    (the teacher frozen by construction), the best epoch chosen on held-out examples by the probes'
+    CE or their HR@1 (`stage1_select`).
     Returns the filters, the run and the probes' report on the held-out examples."""
     classes = recipe.probe_classes(student)
     torch.manual_seed(config.seed)
@@ -210,7 +215,7 @@ def _stage1(recipe: DistillRecipe, cache: TeacherCache, train_ids: np.ndarray, c
                          progress=config.progress, bf16=config.bf16)
     source = CacheBatches(cache, fit_ids, stage1.batch_size, stage1.seed, layers=filters.teacher_layers,
                           final_hidden=False, logits=False)
-    result = train(filters, lambda net, batch: stage1_loss(net, batch, classes), source, judge, "neg_probe_ce", stage1)
+    result = train(filters, lambda net, batch: stage1_loss(net, batch, classes), source, judge, STAGE1_SELECT[recipe.stage1_select], stage1)
     return filters, result, result.best_metrics
 
 
