@@ -101,6 +101,13 @@ STEPS: list[Step] = [
         "--family", f, "--variant", v, "--out", str(work(o, *RL)), "--summary", str(work(o, *RL, "summary.json")),
         "--seeds", "0", "1", "2", "--json", res(o, f"student_variants/{f}-{v}")])(family, variant), tiers=("full",))
       for family in ("smollm2", "gemma") for variant in ("own-logit-8", "logit-8")),
+    Step("c2kd_parts", "demo", lambda o, q: [
+        "--run", str(work(o, "demo")), "--out", str(work(o, "c2kd_parts")), "--trials", "5", "--seeds", "3",
+        "--json", res(o, "c2kd_parts/demo")], tiers=("full",)),
+    Step("cache_dtype", "smollm2", lambda o, q: [
+        "--teacher", str(work(o, "demo", "teacher")), "--data", str(work(o, "demo", "data")), "--max-examples", "256",
+        "--splits", "train", "--work", str(work(o, "cache_dtype")), "--student-seeds", "0,1",
+        "--json", res(o, "cache_dtype/smollm2")], tiers=("full",)),
     Step("prompt_copy", "tier-teachers", lambda o, q: [
         "--model", str(work(o, *RL, "smollm2", "teacher")), "--data", str(work(o, *RL, "data")),
         "--json", res(o, "prompt_copy/tier-teachers")], tiers=("full",)),
