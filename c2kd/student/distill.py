@@ -42,7 +42,7 @@ from c2kd.run_folder import check_or_write_recipe, claim, finished_run, leaves_n
 from c2kd.student.cache_batches import CacheBatches
 from c2kd.student.diagnostics import probe_report
 from c2kd.student.filters import LayerFilters, init_as_lens, stage1_loss
-from c2kd.student.kd_support import ITEM_SUPPORTS, KD_SUPPORTS
+from c2kd.student.kd_support import ITEM_SUPPORTS, KD_SUPPORTS, support_columns
 from c2kd.student.layer_map import uniform_layer_map
 from c2kd.student.objective import METHODS, WEIGHTS, DistillModel, LossWeights, term_weights
 from c2kd.student.report import distill_record, epoch_diagnostics, finish, run_diagnostics
@@ -145,7 +145,7 @@ class DistillRecipe(LossWeights):
     def probe_classes(self, student: RecLM) -> torch.Tensor | None:
         """What stage 1's probe head classifies: None = the vocabulary, or (--kd-over items|candidates)
         the item tokens' ids, in item order."""
-        return student.item_token_ids[1:].clone() if self.kd_over in ITEM_SUPPORTS else None
+        return support_columns(self.kd_over, student.item_token_ids)
 
     def layer_filters(self, spec: CacheSpec, student: RecLM) -> LayerFilters:
         """C2KD's stage-1 filters over the router's candidate layers, for this student and cache."""

@@ -21,6 +21,12 @@ KD_SUPPORTS = ("vocab", "items", "candidates")
 ITEM_SUPPORTS = ("items", "candidates")  # the logit losses over item tokens (ids only)
 
 
+def support_columns(kind: str, item_token_ids: Tensor) -> Tensor | None:
+    """The tokens a support ranges over: None for the vocabulary, else the item tokens in item order
+    (also what stage 1's probe head classifies)."""
+    return item_token_ids[1:].clone() if kind in ITEM_SUPPORTS else None
+
+
 class KDSupport(nn.Module):
     """The rows (answer positions) and columns (tokens) the logit losses range over, and the
     teacher's logits there. `columns` is None for the vocabulary, else the item tokens in item order."""
@@ -28,7 +34,7 @@ class KDSupport(nn.Module):
     def __init__(self, kind: str, item_token_ids: Tensor):
         super().__init__()
         self.kind = kind
-        self.register_buffer("columns", item_token_ids[1:].clone() if kind in ITEM_SUPPORTS else None, persistent=False)
+        self.register_buffer("columns", support_columns(kind, item_token_ids), persistent=False)
 
     def rows(self, batch: CachedBatch) -> Tensor | None:
         """Which real answer positions [N] the logit losses use: all (None), or those predicting an item."""
