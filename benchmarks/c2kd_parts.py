@@ -81,8 +81,9 @@ def main() -> None:
         write_result(target, result)  # what is measured so far: a run cut short keeps it
 
     chosen = {}
+    authors = replace(base, **PARTS["stage1-authors"])  # stage 1 at the authors' schedule under every trial
     for method in ("c2kd", "logit-kd"):  # 3. the same budget each, on validation
-        record = tune(cache, examples, args.out / "tune" / method, replace(base, method=method),
+        record = tune(cache, examples, args.out / "tune" / method, replace(authors, method=method),
                       read_space(None, method), args.trials, {**train, "seed": 0}, progress=False)
         result["tune"][method] = record
         chosen[method] = record["chosen"]["recipe"]
