@@ -244,7 +244,7 @@ def _print_metrics(results: dict[str, dict]) -> None:
 
 
 Epochs = Annotated[Optional[int], _opt("--epochs", "Epochs over the train split.", TrainConfig)]
-MaxSteps = Annotated[Optional[int], _opt("--max-steps", "Optimizer steps to run (overrides --epochs).", kind=int)]
+MaxSteps = Annotated[Optional[int], _opt("--max-steps", "Optimizer steps to run (overrides --epochs); distill caps both of its stages with it.", kind=int)]
 BatchSize = Annotated[Optional[int], _opt("--batch-size", "Examples per micro-batch (over all processes).", TrainConfig)]
 GradAccum = Annotated[Optional[int], _opt("--grad-accum", "Micro-batches per optimizer step.", TrainConfig)]
 Lr = Annotated[Optional[float], _opt("--lr", "Peak AdamW learning rate (linear warmup, cosine decay).", TrainConfig)]
@@ -604,6 +604,7 @@ def distill_cmd(
     stage1_select: str = _field(DR, "stage1_select", "--stage1-select", "What picks stage 1's best epoch on held-out examples: ce (the probes' cross-entropy) or hr1 (their mean HR@1 over each example's candidates)."),
     stage1_holdout: float = _field(DR, "stage1_holdout", "--stage1-holdout", "For a cache without a validation split: the share of its train examples stage 1 holds out to judge its probes and pick its best epoch."),
     select_metric: str = _field(DR, "select_metric", "--select-metric", "Validation metric that picks the best state."),
+    shuffle_block: int = _field(DR, "shuffle_block", "--shuffle-block", "Each epoch shuffles the cache's shards, then the examples within blocks of at least this many, so reads touch few shards at any cache size (0: one full shuffle; data no larger than a block is fully shuffled).", min=0),
     read_cache: Optional[Path] = typer.Option(None, "--read-cache", help="For a cache at a URL: a local folder keeping each fetched file, so it is fetched once [default: $C2KD_HOME/remote-caches]."),
     epochs: Epochs = None, max_steps: MaxSteps = None, batch_size: BatchSize = None, grad_accum: GradAccum = None,
     lr: Lr = None, weight_decay: WeightDecay = None, warmup_ratio: WarmupRatio = None, max_grad_norm: MaxGradNorm = None,
@@ -627,6 +628,7 @@ def distill_cmd(
             orth=orth, w_feat=w_feat, w_logit=w_logit, w_orth=w_orth, tau=tau, w_own_logit=w_own_logit, kd_over=kd_over,
             stage1_epochs=stage1_epochs, stage1_lr=stage1_lr, max_train=max_train, max_val=max_val, select_metric=select_metric,
             student_layer=student_layer, filter_init=filter_init, stage1_holdout=stage1_holdout, stage1_select=stage1_select,
+            shuffle_block=shuffle_block,
         )
         config = _train_config(epochs=epochs, max_steps=max_steps, batch_size=batch_size, grad_accum=grad_accum, lr=lr,
                                weight_decay=weight_decay, warmup_ratio=warmup_ratio, max_grad_norm=max_grad_norm,

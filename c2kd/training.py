@@ -119,11 +119,42 @@ class TrainResult:
 # ---------------------------------------------------------------- data order
 
 
-def epoch_batches(num_examples: int, batch_size: int, seed: int, epoch: int, world_size: int = 1) -> list[np.ndarray]:
-    """The micro-batches of one epoch: a (seed, epoch) permutation cut into `batch_size` pieces.
+def epoch_order(num_examples: int, seed: int, epoch: int, groups: np.ndarray | None = None, block: int = 0) -> np.ndarray:
+    """A (seed, epoch) permutation of the examples.
+
+    With `groups` (each example's group, e.g. its cache shard) and 0 < `block` < num_examples, a
+    two-level shuffle instead: the groups in a random order, cut into blocks of whole groups holding
+    at least `block` examples each, every block's examples shuffled. A batch then draws from one
+    block's few groups, so a reader touches a few shards per batch however large the cache is (the
+    block shuffle of MosaicML Streaming). Data no larger than one block gets the plain permutation."""
+    rng = np.random.default_rng([seed, epoch])
+    if groups is None or block <= 0 or num_examples <= block:
+        return rng.permutation(num_examples)
+    groups = np.asarray(groups)
+    if len(groups) != num_examples:
+        raise ValueError(f"groups has {len(groups)} entries for {num_examples} examples")
+    _, label = np.unique(groups, return_inverse=True)
+    by_group = np.argsort(label, kind="stable")
+    members = np.split(by_group, np.cumsum(np.bincount(label))[:-1])  # each group's examples
+    order, pending, held = [], [], 0
+    for g in rng.permutation(len(members)):
+        pending.append(members[g])
+        held += len(members[g])
+        if held >= block:
+            order.append(rng.permutation(np.concatenate(pending)))
+            pending, held = [], 0
+    if pending:
+        order.append(rng.permutation(np.concatenate(pending)))
+    return np.concatenate(order)
+
+
+def epoch_batches(num_examples: int, batch_size: int, seed: int, epoch: int, world_size: int = 1,
+                  groups: np.ndarray | None = None, block: int = 0) -> list[np.ndarray]:
+    """The micro-batches of one epoch: `epoch_order` cut into `batch_size` pieces. The order does
+    not depend on the world size: each rank takes a strided slice of every piece.
 
     A last piece smaller than the world size is dropped (a rank would get nothing)."""
-    perm = np.random.default_rng([seed, epoch]).permutation(num_examples)
+    perm = epoch_order(num_examples, seed, epoch, groups, block)
     batches = [perm[i : i + batch_size] for i in range(0, num_examples, batch_size)]
     if batches and len(batches[-1]) < world_size:
         batches.pop()

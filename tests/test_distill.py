@@ -491,6 +491,14 @@ def test_cache_batches_follow_the_trainer_order_and_resume_by_position(caches):
         order = [ids[b].tolist() for b in epoch_batches(40, 8, 5, epoch)]
         assert [b.example_ids.tolist() for b in source.batches(epoch)] == order
         assert [b.example_ids.tolist() for b in source.batches(epoch, start=3)] == order[3:]
+    # shard-aware: with a block smaller than the data, the trainer's block order over the examples' shards
+    every = cache.split_ids("train")
+    shards = cache.shards_of(every)
+    assert len(set(shards.tolist())) > 2
+    blocked = CacheBatches(cache, every, batch_size=8, seed=5, group=3, block=64, layers=cache.spec.layers)
+    order = [every[b].tolist() for b in epoch_batches(len(every), 8, 5, 1, 1, shards, 64)]
+    assert [b.example_ids.tolist() for b in blocked.batches(1)] == order
+    assert order != [every[b].tolist() for b in epoch_batches(len(every), 8, 5, 1)]
     # stopping early (end of training) leaves no reader behind
     it = source.batches(0)
     next(it)

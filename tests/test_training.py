@@ -19,7 +19,9 @@ import torch
 from torch import nn
 
 from c2kd.errors import C2KDError
-from c2kd.training import ExampleBatches, TrainConfig, epoch_batches, latest_checkpoint, read_log, train
+import numpy as np
+
+from c2kd.training import ExampleBatches, TrainConfig, epoch_batches, epoch_order, latest_checkpoint, read_log, train
 
 HERE = Path(__file__).resolve()
 N_TRAIN, N_VAL, DIM, CLASSES = 48, 32, 8, 4
@@ -111,6 +113,26 @@ def test_epoch_batches_are_a_seeded_permutation():
     assert not (epoch_batches(10, 10, seed=3, epoch=1)[0] == a[0].tolist() + a[1].tolist() + a[2].tolist()).all()
     # a last piece smaller than the world size would leave a rank without data: dropped
     assert [len(b) for b in epoch_batches(9, 4, seed=3, epoch=0, world_size=2)] == [4, 4]
+
+
+def test_the_block_shuffle_reads_few_groups_per_batch_and_is_the_plain_shuffle_on_small_data():
+    groups = np.repeat(np.arange(40), 25)[np.random.default_rng(1).permutation(1000)]  # 40 shards of 25, stored mixed
+    order = epoch_order(1000, seed=2, epoch=0, groups=groups, block=100)
+    assert sorted(order.tolist()) == list(range(1000))
+    assert np.array_equal(order, epoch_order(1000, seed=2, epoch=0, groups=groups, block=100))
+    assert not np.array_equal(order, epoch_order(1000, seed=2, epoch=1, groups=groups, block=100))
+    # blocks of whole groups: each run of 100 examples holds exactly 4 groups, none seen in another block
+    blocks = [set(groups[order[i : i + 100]].tolist()) for i in range(0, 1000, 100)]
+    assert all(len(b) == 4 for b in blocks) and len(set().union(*blocks)) == 40
+    full = epoch_order(1000, seed=2, epoch=0)
+    assert max(len(set(groups[full[i : i + 100]].tolist())) for i in range(0, 1000, 100)) > 30  # a full shuffle: most
+    # data no larger than a block (or block 0): exactly the plain permutation, the order in-memory runs see
+    for block in (0, 1000, 5000):
+        assert np.array_equal(epoch_order(1000, seed=2, epoch=0, groups=groups, block=block), full)
+    # the batches and the drop rule are the same as without groups; the order does not depend on the world size
+    one = epoch_batches(1000, 32, 2, 0, 1, groups, 100)
+    two = epoch_batches(1000, 32, 2, 0, 2, groups, 100)
+    assert np.array_equal(np.concatenate(one), order) and np.array_equal(np.concatenate(two), order)
 
 
 def test_loss_decreases_and_model_learns(tmp_path):

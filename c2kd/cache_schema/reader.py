@@ -199,6 +199,10 @@ class TeacherCache:
             return AutoTokenizer.from_pretrained(tmp)
 
     # --- random access ------------------------------------------------------------------------
+    def shards_of(self, example_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        """The shard each of these examples is stored in (what a shard-aware read order groups by)."""
+        return self._col["shard"][self._rows(np.asarray(example_ids, dtype=np.int64))]
+
     def _rows(self, example_ids: np.ndarray) -> np.ndarray:
         """Index rows of these example ids (CacheError naming the ones not cached)."""
         n = len(self._sorted_ids)

@@ -52,7 +52,7 @@ from c2kd.training import TrainConfig, TrainResult, comparable_config, train
 # Settings added after distill runs were first recorded, with the value those runs used: a finished
 # or interrupted run recorded without one is still the same run.
 SETTINGS_ADDED = {"kd_over": "vocab", "w_own_logit": 0.0, "router_layers": None, "student_layer": "penultimate",
-                  "filter_init": "random", "stage1_holdout": 0.1, "stage1_select": "ce"}
+                  "filter_init": "random", "stage1_holdout": 0.1, "stage1_select": "ce", "shuffle_block": 0}
 STUDENT_LAYERS = ("penultimate", "last")
 STAGE1_SELECT = {"ce": "neg_probe_ce", "hr1": "probe_HR@1_mean"}  # what stage 1's best epoch maximises
 FILTER_INITS = ("random", "lens")  # lens: identity filters + the teacher's head as the probe head (filters.py)
@@ -72,6 +72,9 @@ class DistillRecipe(LossWeights):
     filter_init: str = "random"  # random | lens (needs the student's width = the teacher's)
     stage1_holdout: float = 0.1  # without a cached validation split: the share of train examples stage 1 holds out
     stage1_select: str = "ce"  # stage 1's best epoch by the probes' held-out CE (ce) or mean HR@1 over the candidates (hr1)
+    # the epoch's order shuffles shards, then examples within blocks of >= this many (0: one full
+    # shuffle); data no larger than a block is fully shuffled (cache_batches.py)
+    shuffle_block: int = 4096
     max_train: int | None = None  # a fixed random subset of the cached train split (CPU runs)
     max_val: int | None = None  # the first N validation examples for model selection
     select_metric: str = DEFAULT_SELECT_METRIC
@@ -86,7 +89,7 @@ class DistillRecipe(LossWeights):
         if self.kd_over in ITEM_SUPPORTS and self.method in ("sft", "feature-kd"):
             raise C2KDError(f"--kd-over {self.kd_over} changes the logit losses; --method {self.method} has none (drop --kd-over)")
         check_source(self.student, self.shrink, self.item_head)
-        for name in (*WEIGHTS, "stage1_epochs"):
+        for name in (*WEIGHTS, "stage1_epochs", "shuffle_block"):
             if getattr(self, name) < 0:
                 raise C2KDError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.router_layers is not None:
@@ -211,10 +214,11 @@ def _stage1(recipe: DistillRecipe, cache: TeacherCache, train_ids: np.ndarray, c
         return filters, None, judge(filters)
     stage1 = TrainConfig(out_dir=work / "stage1", lr=recipe.stage1_lr, weight_decay=config.weight_decay,
                          epochs=recipe.stage1_epochs, batch_size=config.batch_size, seed=config.seed,
+                         max_steps=config.max_steps,  # --max-steps bounds each stage: a short run is short
                          device=config.device, checkpoint_every=config.checkpoint_every, log_every=config.log_every,
                          progress=config.progress, bf16=config.bf16)
-    source = CacheBatches(cache, fit_ids, stage1.batch_size, stage1.seed, layers=filters.teacher_layers,
-                          final_hidden=False, logits=False)
+    source = CacheBatches(cache, fit_ids, stage1.batch_size, stage1.seed, block=recipe.shuffle_block,
+                          layers=filters.teacher_layers, final_hidden=False, logits=False)
     result = train(filters, lambda net, batch: stage1_loss(net, batch, classes), source, judge, STAGE1_SELECT[recipe.stage1_select], stage1)
     return filters, result, result.best_metrics
 
@@ -281,8 +285,8 @@ def distill(
     model = DistillModel(student, recipe, spec, head_weight, filters, layer_map)
     kd = recipe.method in ("c2kd", "logit-kd")
     layers = list(candidates) if recipe.method == "c2kd" else sorted(set((layer_map or {}).values()))
-    source = CacheBatches(teacher_cache, train_ids, config.batch_size, config.seed, layers=layers, final_hidden=kd,
-                          logits=kd)
+    source = CacheBatches(teacher_cache, train_ids, config.batch_size, config.seed, block=recipe.shuffle_block,
+                          layers=layers, final_hidden=kd, logits=kd)
     evaluator = RecLMEvaluator(examples, "validation", limit=recipe.max_val, batch_size=recipe.eval_batch_size,
                                generation=False, full_catalog=False, progress=False)
     first_batch = teacher_cache.get(train_ids[: config.batch_size], layers=layers, final_hidden=kd, logits=kd)
