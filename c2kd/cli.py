@@ -383,7 +383,7 @@ def cache_teacher_cmd(
     examples_per_shard: int = _field(CTS, "examples_per_shard", "--examples-per-shard", "Examples per shard (the unit of writing, resuming and reading)."),
     device: str = _field(CTS, "device", "--device", "auto (cuda:LOCAL_RANK if available, else cpu), cpu, cuda, cuda:1, ..."),
     writer: str = _field(CTS, "writer", "--writer", "Write shards from a background process (keeps the GIL off the forward) or a thread."),
-    part: str = _field(CTS, "part", "--part", "i/n: write part i of n (one per machine), then `c2kd cache merge` the n parts."),
+    part: str = _field(CTS, "part", "--part", "i/n: write part i of n (one per machine), then `c2kd cache merge` the n parts. node: under `torchrun --nnodes N`, each node writes its own part to its own --out (no shared disk needed)."),
     max_examples: Optional[int] = _field(CTS, "max_examples", "--max-examples", "Cache only this many examples per split: the fixed subset `train-teacher --max-train N` trains on.", kind=int),
     backend: str = _field(CTS, "backend", "--backend", "What runs the teacher: transformers, or vllm (its own install; see the README)."),
     tensor_parallel: int = _field(CTS, "tensor_parallel", "--tensor-parallel", "vLLM: GPUs to split the teacher over."),

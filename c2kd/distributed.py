@@ -17,6 +17,16 @@ def dist_env() -> tuple[int, int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
 
 
+def node_env() -> tuple[int, int, int, int]:
+    """(node, nodes, rank on the node, processes on the node) from torchrun's GROUP_RANK,
+    GROUP_WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE."""
+    env = os.environ
+    if not {"GROUP_RANK", "GROUP_WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"} <= set(env):
+        raise C2KDError("--part node needs torchrun's GROUP_RANK, GROUP_WORLD_SIZE and LOCAL_WORLD_SIZE "
+                        "(launch with torchrun --nnodes N, or give --part i/n)")
+    return int(env["GROUP_RANK"]), int(env["GROUP_WORLD_SIZE"]), int(env["LOCAL_RANK"]), int(env["LOCAL_WORLD_SIZE"])
+
+
 def is_main_process() -> bool:
     return dist_env()[0] == 0
 

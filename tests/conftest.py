@@ -82,3 +82,21 @@ def save_random_teacher(examples, folder: Path, seed: int) -> Path:
     emb[0] = 0
     model = RecLM.from_preset("tiny-teacher", tokenizer, emb, "ids", seed=seed, data_fingerprint=examples.fingerprint)
     return model.save(folder / "teacher")
+
+
+def run_two_nodes(commands: list[list[str]], env: dict, timeout: int = 600) -> list[tuple[int, str]]:
+    """Each command (arguments after `python`) under its own `torchrun --nnodes 2 --nproc-per-node 1`
+    launcher, rendezvous c10d on 127.0.0.1: two "nodes" on this machine. Returns (exit code, output)
+    per launcher."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+              "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "c2kd-two-nodes"]
+    procs = [subprocess.Popen([*launch, *cmd], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for cmd in commands]
+    return [(p.wait(timeout=timeout), p.stdout.read()) for p in procs]

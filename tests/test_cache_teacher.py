@@ -12,11 +12,12 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import save_random_teacher
+from conftest import run_two_nodes, save_random_teacher
 import torch
 from typer.testing import CliRunner
 
 from c2kd.cache_schema import CacheWriter, TeacherCache, content_digest, fingerprint_tokenizer, verify_cache
+from c2kd.cache_schema.merge import merge_caches
 from c2kd.cli import app
 from c2kd.errors import C2KDError, CacheError
 from c2kd.pipeline.cache_teacher import CacheTeacherSettings, TeacherRunner, build_spec, cache_teacher, length_buckets
@@ -295,6 +296,38 @@ def test_kill_9_at_several_points_then_resume_equals_uninterrupted(teacher_dir, 
     ref_out, ref_digest, ref_sums = reference
     assert content_digest(out) == ref_digest
     assert _shard_checksums(out) == ref_sums
+
+
+@pytest.mark.slow
+def test_two_nodes_each_write_their_part_and_the_merge_equals_one_process(teacher_dir, tiny_examples_dir, tmp_path,
+                                                                          reference):
+    # `torchrun --nnodes 2` with c10d rendezvous, each node its own --out (no shared disk): --part node
+    outs = [tmp_path / "node-a", tmp_path / "node-b"]
+    done = run_two_nodes([[*_cli(teacher_dir, tiny_examples_dir, out), "--part", "node"] for out in outs], ONE_THREAD)
+    assert all(code == 0 for code, _ in done), [text[-3000:] for _, text in done]
+    parts = sorted(TeacherCache.open(out).spec.part for out in outs)
+    assert parts == ["1/2", "2/2"]
+    merge_caches(outs, tmp_path / "merged")
+    ref_out, ref_digest, ref_sums = reference
+    assert content_digest(tmp_path / "merged") == ref_digest
+    assert _shard_checksums(tmp_path / "merged") == ref_sums  # every shard's files, byte for byte
+    merged, single = TeacherCache.open(tmp_path / "merged"), TeacherCache.open(ref_out)
+    ids = single.index["example_id"].to_list()
+    a, b = merged.get(ids), single.get(ids)
+    for name in single.layout:  # array by array
+        if name in a.outputs:
+            assert torch.equal(a.outputs[name], b.outputs[name]), name
+    assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.labels, b.labels)
+
+
+def test_part_node_without_torchrun_nodes_is_one_clear_line(teacher_dir, tiny_examples_dir, tmp_path):
+    for env in ({}, {"WORLD_SIZE": "1"}):  # no launcher, or one that does not say which node this is
+        with pytest.MonkeyPatch.context() as mp:
+            for k, v in env.items():
+                mp.setenv(k, v)
+            with pytest.raises(C2KDError, match="--part node needs torchrun"):
+                cache_teacher(teacher_dir, load_examples(tiny_examples_dir), tmp_path / "c", CacheTeacherSettings(part="node"))
+    assert not (tmp_path / "c").exists()
 
 
 @pytest.mark.slow

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import save_random_teacher
+from conftest import run_two_nodes, save_random_teacher
+from safetensors.torch import load_file
 import torch
 import torch.nn.functional as F
 from typer.testing import CliRunner
@@ -465,18 +466,29 @@ def test_refusals_before_training(caches, examples, tmp_path_factory, tiny_sourc
 @pytest.mark.slow
 def test_ddp_two_ranks_each_read_their_part(caches, examples, tmp_path):
     cache = caches("answer", "bfloat16")
-    out = tmp_path / "ddp"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+
+    def distill_args(out: Path) -> list[str]:
+        return ["-m", "c2kd.cli", "distill", "--cache", str(cache), "--data", str(examples.root), "--out", str(out),
+                "--student", "micro", "--epochs", "1", "--batch-size", "16", "--max-train", "64", "--max-val", "10",
+                "--no-progress"]
+
+    out = tmp_path / "ddp"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29613",
-           "-m", "c2kd.cli", "distill", "--cache", str(cache), "--data", str(examples.root), "--out", str(out),
-           "--student", "micro", "--epochs", "1", "--batch-size", "16", "--max-train", "64", "--max-val", "10",
-           "--no-progress"]
+           *distill_args(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     epochs = read_log(out, "epoch")
     # counts are summed over the ranks: each example was read (and routed) by exactly one rank
     assert sum(epochs[0]["router_counts"].values()) == 64
     assert (out / "metrics.json").is_file()
+    # the same run on two "nodes" (`torchrun --nnodes 2`, c10d rendezvous; one process each, the run
+    # folder shared): the same student, bit for bit
+    nodes = tmp_path / "nodes"
+    done = run_two_nodes([distill_args(nodes)] * 2, env)
+    assert all(code == 0 for code, _ in done), [text[-3000:] for _, text in done]
+    a, b = load_file(out / "model.safetensors"), load_file(nodes / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 # ---------------------------------------------------------------- the batch source

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -44,6 +44,8 @@ from c2kd.recmodel.prompts import EncodedExample, PromptEncoder, collate
 
 BACKENDS = ("transformers", "vllm")
 
+NODE_PART = "node"  # --part node: one part per torchrun node (distributed.node_env)
+
 
 @dataclass(frozen=True)
 class CacheTeacherSettings:
@@ -57,7 +59,9 @@ class CacheTeacherSettings:
     examples_per_shard: int = 256
     queue_shards: int = 2  # finished shards waiting for the writer
     writer: str = "process"  # where shards are written: a background process, or a thread
-    part: str = ""  # "i/n": write part i of n of the cache (on n machines), for `c2kd cache merge`
+    # "i/n": write part i of n of the cache (on n machines), for `c2kd cache merge`; "node": under
+    # torchrun on several nodes, each node writes its own part (node k of n: part k+1/n) to its own --out
+    part: str = ""
     max_examples: int | None = None  # per split, the fixed subset `train-teacher --max-train` trains on
     backend: str = "transformers"  # transformers | vllm
     tensor_parallel: int = 1  # vLLM: GPUs the teacher is split over
@@ -91,7 +95,8 @@ class CacheTeacherSettings:
                 raise C2KDError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.writer not in WRITERS:
             raise C2KDError(f"--writer {self.writer!r}: expected one of {', '.join(WRITERS)}")
-        parse_part(self.part)
+        if self.part != NODE_PART:
+            parse_part(self.part)
         if self.backend not in BACKENDS:
             raise C2KDError(f"--backend {self.backend!r}: expected one of {', '.join(BACKENDS)}")
         if self.backend == "vllm":
@@ -283,6 +288,9 @@ def cache_teacher(
     """Write (or finish) the teacher cache at `out`; returns a summary of this rank's work."""
     wall = time.perf_counter()
     rank, world_size, _ = distributed.dist_env()
+    if settings.part == NODE_PART:  # this node's processes write this node's part; its first one seals it
+        node, nodes, rank, world_size = distributed.node_env()
+        settings = replace(settings, part=f"{node + 1}/{nodes}")
     device = distributed.pick_device(settings.device)
     started_dist = distributed.init(device)
     # started first: its start-up (seconds of imports) overlaps with loading the teacher
@@ -314,8 +322,7 @@ def cache_teacher(
         stats = write_shards(model, encoder, spec, plan, writer, rows_by_id(examples, settings.splits), device, settings,
                              rank, world_size, background=background)
         background = None  # closed by write_shards
-        if world_size > 1:
-            dist.barrier()
+        distributed.barrier()  # every process of every node
         if rank == 0:
             writer.seal(plan)
         return {**summary, **stats, "complete": True, "seconds": time.perf_counter() - wall}
