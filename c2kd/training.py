@@ -362,6 +362,9 @@ def train(
         ranks = state["ranks"]
         mine = ranks[rank] if len(ranks) == world else None
         if mine is None:  # another world size: data order is kept, dropout streams are new
+            if rank == 0:
+                Console(stderr=True).print(f"resumed under {world} process(es), stopped under {len(ranks)}: the same "
+                                           "global sample order continues; dropout is reseeded", highlight=False)
             torch.manual_seed(config.seed + 1000 * step + rank)
         else:
             _set_rng_state(mine["rng"])

@@ -391,6 +391,32 @@ def test_ddp_two_ranks_with_torchrun(tmp_path):
     assert len(trainer_state["ranks"]) == 2
 
 
+def test_a_run_stopped_under_two_processes_resumes_under_one_in_the_same_global_order(tmp_path):
+    # Elastic resume: the order of an epoch does not depend on the world size (each rank takes a strided
+    # slice of every micro-batch) and the position is counted in micro-batches, so the one process
+    # continues where the two stopped; without dropout it ends with the uninterrupted run's weights.
+    single, _ = run(tmp_path / "single", dropout=0.0, epochs=2)
+    out = tmp_path / "elastic"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(HERE), "run", str(out), "--dropout", "0.0", "--epochs", "2", "--sleep-after", "4"]
+    launcher = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 240
+        while not (out / "checkpoints" / "step-000004").is_dir():
+            assert launcher.poll() is None, "the two-process run ended before its checkpoint"
+            assert time.time() < deadline
+            time.sleep(0.05)
+    finally:
+        os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait(timeout=30)
+    assert len(torch.load(out / "checkpoints" / "step-000004" / "trainer.pt", weights_only=True)["ranks"]) == 2
+    resumed, result = run(out, dropout=0.0, epochs=2)
+    assert result.resumed_from == 4
+    for k, v in single.state_dict().items():
+        torch.testing.assert_close(resumed.state_dict()[k], v, rtol=0, atol=1e-5)
+
+
 # ------------------------------------------------------------------------------------------ script
 
 
