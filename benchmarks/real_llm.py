@@ -99,9 +99,12 @@ def by_metric(runs: list[dict[str, float]]) -> dict[str, list[float]]:
     return {key: [run[key] for run in runs] for key in runs[0]}
 
 
-def student_test_metrics(run: Path) -> dict[str, float]:
-    """A distilled student's test metrics (its distill.json), flattened."""
-    return flat_metrics(json.loads((run / "distill.json").read_text())["metrics"]["test"])
+def student_metrics(run: Path, split: str = "test") -> dict[str, float]:
+    """A distilled student's metrics on `split` (its distill.json), flattened."""
+    metrics = json.loads((run / "distill.json").read_text())["metrics"]
+    if split not in metrics:
+        raise SystemExit(f"{run}: no {split} metrics in its distill.json (a run made before they were recorded)")
+    return flat_metrics(metrics[split])
 
 
 class StepClock:
@@ -325,7 +328,7 @@ class Bench:
                 if record == "train.json":
                     done = [(s, d) for s, d in done if (d / "metrics-test.json").exists()]
                 metrics = [flat_metrics(json.loads((d / "metrics-test.json").read_text())) if record == "train.json"
-                           else student_test_metrics(d) for _, d in done]
+                           else student_metrics(d) for _, d in done]
                 if metrics:  # the seeds beside the values: methods are paired by seed, not by list position
                     fam["rows"][label] = {**by_metric(metrics), "seeds": [s for s, _ in done]}
             if (root / "latency.json").exists():

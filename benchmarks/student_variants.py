@@ -20,6 +20,10 @@ recorded float32 run, `results/real_llm/f32.json`).
 The JSON holds the paired differences, and the benchmark's table and goals with the variant's
 students in place of its own (printed as markdown too). Resumable like the benchmark: finished
 students are reused.
+
+Variants are compared on the validation split (`--split validation`, the default; the baseline's
+students must then be in the folder, since recorded summaries hold test figures only). Run
+`--split test` once, for the variant validation chose.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ if __package__ in (None, ""):  # run as a file (python benchmarks/student_varian
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import write_result  # noqa: E402
 from benchmarks.real_llm import (FAMILIES, METHODS, Bench, by_metric, flat_metrics, goals, hr1_by_seed,  # noqa: E402
-                                  markdown, student_test_metrics)
+                                  markdown, student_metrics)
 
 
 RECORDED = Path(__file__).parent / "results" / "real_llm" / "f32.json"  # the default --summary
@@ -56,10 +60,12 @@ VARIANTS = {
 }
 
 
-def baseline_hr1(bench: Bench, recorded: dict, family: str, method: str, seed: int) -> float:
+def baseline_hr1(bench: Bench, recorded: dict, family: str, method: str, seed: int, split: str = "test") -> float:
     run = bench.run_folder(family, method, seed)
     if (run / "distill.json").exists():
-        return student_test_metrics(run)["/".join(METRIC)]
+        return student_metrics(run, split)["/".join(METRIC)]
+    if split != "test":
+        raise SystemExit(f"{method} seed {seed}: no run folder {run}, and the recorded summary has test figures only")
     recorded_hr1 = hr1_by_seed(recorded["families"][family]["rows"][method])  # by seed, not by list position
     if seed not in recorded_hr1:
         raise SystemExit(f"{method} seed {seed}: no run folder {run} and no recorded test HR@1 for that seed "
@@ -76,6 +82,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--json", type=Path, required=True)
     parser.add_argument("--summary", type=Path, default=RECORDED, help="the benchmark run's summary.json to pair with")
+    parser.add_argument("--split", choices=("validation", "test"), default="validation",
+                        help="where the variants are compared; test once, for the variant validation chose")
     args = parser.parse_args()
     recorded = json.loads(args.summary.read_text())
     # runs recorded before --history-loss, --teacher-sasrec-kd, --bf16, --gemma-seeds and --kd-over existed had
@@ -101,29 +109,32 @@ def main() -> None:
     # The benchmark's table and goals with the variant's students (the teacher is the recorded one).
     rows = {"teacher": recorded["families"][args.family]["rows"]["teacher"]}
     for method in methods:
-        runs = [student_test_metrics(bench.run_folder(args.family, f"{method} {args.variant}", s)) for s in args.seeds]
+        runs = [student_metrics(bench.run_folder(args.family, f"{method} {args.variant}", s), args.split)
+                for s in args.seeds]
         rows[method] = {**by_metric(runs), "seeds": list(args.seeds)}
-    result: dict = {"variant": args.variant, "flags": flags, "teacher_test": teacher, "seeds": args.seeds,
+    result: dict = {"variant": args.variant, "flags": flags, "split": args.split, "teacher_test": teacher, "seeds": args.seeds,
                     "commands": bench.commands, "methods": {}}
     for method in methods:
         variant = rows[method]["/".join(METRIC)]
-        baseline = [baseline_hr1(bench, recorded, args.family, method, s) for s in args.seeds]
+        baseline = [baseline_hr1(bench, recorded, args.family, method, s, args.split) for s in args.seeds]
         diffs = [v - b for v, b in zip(variant, baseline)]
         result["methods"][method] = {
             args.variant: variant, "baseline": baseline, "variant - baseline": diffs,
             "mean difference": statistics.mean(diffs), "std difference": statistics.stdev(diffs) if len(diffs) > 1 else None}
         line = (f"{method}: {args.variant} {statistics.mean(variant):.3f} vs baseline {statistics.mean(baseline):.3f} "
-                f"test HR@1; paired difference {statistics.mean(diffs):+.3f} ({', '.join(f'{d:+.3f}' for d in diffs)})")
+                f"{args.split} HR@1; paired difference {statistics.mean(diffs):+.3f} ({', '.join(f'{d:+.3f}' for d in diffs)})")
         if args.variant.startswith("own-logit"):  # the added term is plain logit KD's: is C2KD with it above logit KD alone?
-            vs_logit = [v - baseline_hr1(bench, recorded, args.family, "logit KD", s) for v, s in zip(variant, args.seeds)]
+            vs_logit = [v - baseline_hr1(bench, recorded, args.family, "logit KD", s, args.split)
+                        for v, s in zip(variant, args.seeds)]
             result["methods"][method]["variant - benchmark's logit KD"] = vs_logit
             line += f"; minus the benchmark's logit KD {', '.join(f'{d:+.3f}' for d in vs_logit)}"
         print(line)
-    if "SFT from cache" in rows:  # the same training as `train-teacher --shrink` (README: they agree to the digit)
-        rows = {"teacher": rows["teacher"], "student alone": rows["SFT from cache"], **rows}
-    result["rows"], result["goals"] = rows, goals(recorded["sasrec"], rows)
-    print(f"The benchmark's table with the variant's students ({args.variant}: {' '.join(flags)}) in place of its own:")
-    print(markdown({"sasrec": recorded["sasrec"], "families": {args.family: {"rows": rows, "goals": result["goals"]}}}))
+    if args.split == "test":  # the benchmark's test table and goals, for the chosen variant
+        if "SFT from cache" in rows:  # the same training as `train-teacher --shrink` (README: they agree to the digit)
+            rows = {"teacher": rows["teacher"], "student alone": rows["SFT from cache"], **rows}
+        result["rows"], result["goals"] = rows, goals(recorded["sasrec"], rows)
+        print(f"The benchmark's table with the variant's students ({args.variant}: {' '.join(flags)}) in place of its own:")
+        print(markdown({"sasrec": recorded["sasrec"], "families": {args.family: {"rows": rows, "goals": result["goals"]}}}))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     write_result(args.json, result)
 
