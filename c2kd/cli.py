@@ -578,9 +578,22 @@ def _check_read_cache(read_cache: Path, cache: str) -> None:
     check_destination(read_cache / "x")
 
 
+def _with_preset(ctx: typer.Context, recipe: DistillRecipe, name: str) -> DistillRecipe:
+    """`recipe` with the preset `name`'s fields (student.distill.RECIPES), less those given on the command line."""
+    from c2kd.student.distill import RECIPES
+
+    if name not in RECIPES:
+        raise C2KDError(f"--recipe {name!r}: expected one of {', '.join(RECIPES)}")
+    given = lambda k: getattr(ctx.get_parameter_source(k), "name", None) == "COMMANDLINE"  # noqa: E731 (typer's click)
+    preset = {k: v for k, v in RECIPES[name].items() if not given(k)}
+    return dataclasses.replace(recipe, **preset)
+
+
 @app.command("distill")
 def distill_cmd(
+    ctx: typer.Context,
     cache: str = typer.Option(..., "--cache", help="Teacher cache (a folder or an https:// / s3:// URL); the only teacher input."),
+    recipe_name: str = typer.Option("default", "--recipe", help="default (chosen on validation, docs/DESIGN.md §7) or paper (the paper's C2KD at its authors' settings); options given beside it still apply."),
     student: str = _field(DR, "student", "--student", "A preset (tiny-student, micro, ...) built with the cache's tokenizer, a pretrained alias or folder with --shrink, or a saved model folder."),
     shrink: Shrink = None,
     item_head: str = _field(DR, "item_head", "--item-head", ItemHelp),
@@ -630,6 +643,7 @@ def distill_cmd(
             student_layer=student_layer, filter_init=filter_init, stage1_holdout=stage1_holdout, stage1_select=stage1_select,
             shuffle_block=shuffle_block,
         )
+        recipe = _with_preset(ctx, recipe, recipe_name)
         config = _train_config(epochs=epochs, max_steps=max_steps, batch_size=batch_size, grad_accum=grad_accum, lr=lr,
                                weight_decay=weight_decay, warmup_ratio=warmup_ratio, max_grad_norm=max_grad_norm,
                                checkpoint_every=checkpoint_every, eval_every=eval_every, seed=seed, bf16=bf16,

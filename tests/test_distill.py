@@ -31,7 +31,7 @@ from c2kd.recmodel.prompts import answer_index
 from c2kd.student.filters import LayerFilters, stage1_loss
 from c2kd.student.cache_batches import CacheBatches
 import c2kd.student.distill as distill_module
-from c2kd.student.distill import DistillRecipe, build_student, distill
+from c2kd.student.distill import PAPER_RECIPE, DistillRecipe, build_student, distill
 from c2kd.student.losses import logit_kd_loss, soft_cross_entropy
 from c2kd.student.objective import DistillModel
 from c2kd.training import TrainConfig, epoch_batches, read_log, train
@@ -288,6 +288,31 @@ def test_loss_terms_and_gradients_per_method(caches, recipe, terms):
 
 
 # ---------------------------------------------------------------- the recipe end to end
+
+
+@pytest.mark.parametrize("flags, expected", [
+    ([], dataclasses.asdict(DistillRecipe(student="micro"))),
+    (["--recipe", "paper"], {**dataclasses.asdict(DistillRecipe(student="micro")), **PAPER_RECIPE}),
+    (["--recipe", "paper", "--w-logit", "2.0", "--router", "probe"],
+     {**dataclasses.asdict(DistillRecipe(student="micro")), **PAPER_RECIPE, "w_logit": 2.0, "router": "probe"}),
+])
+def test_recipe_presets_and_the_options_given_beside_them(flags, expected, tmp_path, monkeypatch):
+    from c2kd.student import distill as module
+
+    seen = {}
+
+    def fake(cache, data, out, recipe, config, **kw):  # what the command would train
+        seen["recipe"] = recipe
+        raise C2KDError("stop here")
+
+    monkeypatch.setattr(module, "distill", fake)
+    result = CliRunner().invoke(app, ["distill", "--cache", "c", "--data", str(tmp_path), "--out", str(tmp_path / "o"),
+                                      "--student", "micro", *flags])
+    assert result.exit_code == 1 and "stop here" in result.output
+    assert dataclasses.asdict(seen["recipe"]) == {**expected, "router_layers": None}
+    bad = CliRunner().invoke(app, ["distill", "--cache", "c", "--data", str(tmp_path), "--out", str(tmp_path / "o"),
+                                   "--recipe", "papers"])
+    assert bad.exit_code == 1 and "--recipe 'papers': expected one of default, paper" in bad.output
 
 
 def test_distill_runs_with_the_teacher_checkpoint_deleted(teacher, examples, tmp_path):

@@ -58,6 +58,14 @@ STAGE1_SELECT = {"ce": "neg_probe_ce", "hr1": "probe_HR@1_mean"}  # what stage 1
 FILTER_INITS = ("random", "lens")  # lens: identity filters + the teacher's head as the probe head (filters.py)
 
 
+# `--recipe paper`: the paper's C2KD (DESIGN.md §3; stage 1 at its authors' schedule), whatever the
+# defaults become; options given beside it still apply.
+PAPER_RECIPE = {"method": "c2kd", "router": "top1", "cross_head": True, "orth": True, "w_feat": 0.5, "w_logit": 0.5,
+                "w_orth": 0.05, "tau": 1.0, "w_own_logit": 0.0, "kd_over": "vocab", "student_layer": "penultimate",
+                "stage1_epochs": 3, "stage1_lr": 8e-4, "filter_init": "random"}
+RECIPES = {"default": {}, "paper": PAPER_RECIPE}
+
+
 @dataclass(frozen=True)
 class DistillRecipe(LossWeights):
     """What to distil: the method and its weights (LossWeights) and the student; `TrainConfig`
