@@ -602,7 +602,7 @@ def distill_cmd(
     method: str = _field(DR, "method", "--method", "c2kd | sft | logit-kd | feature-kd."),
     router: str = _field(DR, "router", "--router", "C2KD router: top1 (paper), soft or soft:T (softmax of the scores / T), probe (per example, the layer whose stage-1 probe predicts the answer best), or fixed:L (teacher layer L)."),
     student_layer: str = _field(DR, "student_layer", "--student-layer", "C2KD's student layer n: penultimate (the paper) or last (its final-normed state, the one its own head ranks from)."),
-    filter_init: str = _field(DR, "filter_init", "--filter-init", "Stage-1 filters start random (the paper) or as lens: identity filters with the teacher's head as the probe head (needs the student's width = the teacher's)."),
+    filter_init: str = _field(DR, "filter_init", "--filter-init", "Stage-1 filters start random (the paper), as lens: identity filters with the teacher's head as the probe head (needs the student's width = the teacher's), or auto: lens where the widths allow, else random."),
     router_layers: Optional[str] = typer.Option(None, "--router-layers", help="Comma-separated cached teacher layers the C2KD router chooses among [default: every cached layer]; for a cache that also holds early layers for feature KD."),
     cross_head: bool = _field(DR, "cross_head", "--cross-head/--no-cross-head", "Score student features with the teacher's head (off: the student's own head)."),
     orth: bool = _field(DR, "orth", "--orth/--no-orth", "Orthogonality loss on the cross-head projection."),

@@ -114,6 +114,22 @@ def test_lens_init_starts_each_probe_as_the_teachers_head(cache, teacher_dir, ex
         init_as_lens(DistillRecipe(student="micro").layer_filters(opened.spec, small), head)
 
 
+def test_auto_filter_init_is_lens_where_the_widths_allow(cache, teacher_dir, tmp_path):
+    from c2kd.student.distill import _stage1
+    from c2kd.training import TrainConfig
+
+    opened = TeacherCache.open(cache)
+    head = opened.head_weight()
+    for source, lens in ((dict(student=str(teacher_dir), shrink="first:2"), True), (dict(student="micro"), False)):
+        recipe = DistillRecipe(**source, filter_init="auto", stage1_epochs=0, kd_over="items")
+        student = build_student(recipe, opened, seed=0)
+        filters, _, _ = _stage1(recipe, opened, opened.split_ids("train"), TrainConfig(out_dir=tmp_path, progress=False),
+                                student, head, tmp_path)
+        weight = next(iter(filters.filters.values())).weight
+        is_identity = weight.shape[0] == weight.shape[1] and torch.equal(weight, torch.eye(weight.shape[0]))
+        assert is_identity == lens
+
+
 def test_student_layer_last_reads_the_final_normed_state(cache, examples):
     opened = TeacherCache.open(cache)
     for layer, expected in (("penultimate", 1), ("last", 2)):

@@ -55,7 +55,9 @@ SETTINGS_ADDED = {"kd_over": "vocab", "w_own_logit": 0.0, "router_layers": None,
                   "filter_init": "random", "stage1_holdout": 0.1, "stage1_select": "ce", "shuffle_block": 0}
 STUDENT_LAYERS = ("penultimate", "last")
 STAGE1_SELECT = {"ce": "neg_probe_ce", "hr1": "probe_HR@1_mean"}  # what stage 1's best epoch maximises
-FILTER_INITS = ("random", "lens")  # lens: identity filters + the teacher's head as the probe head (filters.py)
+# lens: identity filters + the teacher's head as the probe head (filters.py); auto: lens where the
+# student's width is the teacher's, else random
+FILTER_INITS = ("random", "lens", "auto")
 
 
 # `--recipe paper`: the paper's C2KD (DESIGN.md §3; stage 1 at its authors' schedule), whatever the
@@ -77,7 +79,7 @@ class DistillRecipe(LossWeights):
     router_layers: tuple[int, ...] | None = None  # c2kd: the cached teacher layers the router chooses among (None: all)
     stage1_epochs: int = 1
     stage1_lr: float = 1e-3
-    filter_init: str = "random"  # random | lens (needs the student's width = the teacher's)
+    filter_init: str = "random"  # random | lens (needs the student's width = the teacher's) | auto
     stage1_holdout: float = 0.1  # without a cached validation split: the share of train examples stage 1 holds out
     stage1_select: str = "ce"  # stage 1's best epoch by the probes' held-out CE (ce) or mean HR@1 over the candidates (hr1)
     # the epoch's order shuffles shards, then examples within blocks of >= this many (0: one full
@@ -214,7 +216,7 @@ def _stage1(recipe: DistillRecipe, cache: TeacherCache, train_ids: np.ndarray, c
     classes = recipe.probe_classes(student)
     torch.manual_seed(config.seed)
     filters = recipe.layer_filters(cache.spec, student)
-    if recipe.filter_init == "lens":
+    if recipe.filter_init == "lens" or (recipe.filter_init == "auto" and student.hidden_size == cache.spec.hidden_size):
         init_as_lens(filters, head_weight.float() if classes is None else head_weight.float()[classes])
     fit_ids, judge_ids = _stage1_split(recipe, cache, train_ids)
     judge = lambda f: probe_report(f, cache, judge_ids, classes, student.item_token_ids, head_weight)  # noqa: E731
