@@ -1,0 +1,272 @@
+"""Caches at 1x, 5x and 20x the benchmark's size: stage one's rate, stage two's rate and memory.
+
+The uncapped ML-100k train split (95,285 examples, 20x the 4,715 of the capped benchmark) through
+a random-weight teacher (tiny-teacher, or --teacher-shape WIDTH,LAYERS,HEADS,INTER for real bytes
+per token), cached at 1x, 5x and 20x. Each step runs in a fresh process, one at a time:
+
+- stage one per cache: examples/s over the run and the process's peak RSS;
+- `cache verify` of the 20x cache: seconds per GB;
+- stage two (`distill --method c2kd --max-steps S`, tiny-student): the median examples/s of the
+  logged steps of each stage and the peak RSS, for each cache with the default shard-aware order
+  and for the 20x cache with one full shuffle (--shuffle-block 0, the order before it existed),
+  in --rounds interleaved rounds (load changes on a shared machine hit every variant);
+- the reader alone (CacheBatches over the 20x cache, C2KD's reads) against the student's rate;
+- entries per folder, and by the plan's arithmetic for 1M examples.
+
+Every step resumes (a finished cache or run is kept; the JSON holds what is measured so far):
+
+    python benchmarks/cache_scale.py --out runs/bench/cache_scale [--teacher-shape 576,4,9,1536] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from c2kd.data.examples import load_examples
+
+if __package__ in (None, ""):  # run as a file: the repository root, for `benchmarks.`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import ROOT, write_result  # noqa: E402
+
+BASE_EXAMPLES = 4715  # the capped benchmark's train split (ML-100k, 5 windows per user)
+SCALES = (1, 5, 20)
+EXAMPLES_PER_SHARD = 256  # cache-teacher's default
+HUB_FOLDER_LIMIT = 10_000  # entries per folder the Hugging Face Hub asks to stay under
+
+
+def child(code: str, *args: str) -> dict:
+    """Run `code` in a fresh Python process; it prints one JSON line last. Adds its peak RSS."""
+    wrapped = code + "\nimport resource as _r, json as _j\nprint(_j.dumps({**RESULT, 'peak_rss_mib': _r.getrusage(_r.RUSAGE_SELF).ru_maxrss / 1024}))"
+    proc = subprocess.run([sys.executable, "-c", wrapped, *args], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if proc.returncode != 0:
+        raise SystemExit(f"step failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def prepare_inputs(out: Path, teacher_shape: str | None) -> tuple[Path, Path]:
+    """(data, teacher): the uncapped ML-100k split and a random-weight teacher, made once."""
+    data, teacher = out / "data", out / "teacher"
+    if not (data / "manifest.json").exists():
+        from c2kd.data.prepare import prepare
+
+        prepare("movielens-100k", data, seed=0, max_train_per_user=None, overwrite=True)
+    if not (teacher / "reclm.json").exists():
+        from transformers import AutoModelForCausalLM
+
+        from c2kd.recmodel.model import RecLM
+        from c2kd.recmodel.presets import ModelPreset
+        from c2kd.recmodel.tokenizer import build_word_tokenizer
+
+        examples = load_examples(data)
+        tokenizer = build_word_tokenizer(examples.titles()[1:], examples.num_items)
+        emb = torch.randn(examples.num_items + 1, 64, generator=torch.Generator().manual_seed(0))
+        if teacher_shape:
+            hidden, layers, heads, inter = (int(x) for x in teacher_shape.split(","))
+            torch.manual_seed(0)
+            lm = AutoModelForCausalLM.from_config(ModelPreset("bench-teacher", hidden, layers, heads, inter).llama_config(
+                len(tokenizer), tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id))
+            model = RecLM(lm, tokenizer, emb, "ids", examples.fingerprint, base=f"random llama {teacher_shape}")
+        else:
+            model = RecLM.from_preset("tiny-teacher", tokenizer, emb, "ids", seed=0, data_fingerprint=examples.fingerprint)
+        shutil.rmtree(teacher, ignore_errors=True)
+        model.save(teacher)
+    return data, teacher
+
+
+STAGE_ONE = """
+import sys, time
+from dataclasses import replace
+from c2kd.data.examples import load_examples
+from c2kd.pipeline.cache_teacher import CacheTeacherSettings, cache_teacher
+data, teacher, out, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+examples = load_examples(data)
+train = examples.split("train").head(n)
+examples = replace(examples, splits={**examples.splits, "train": train})
+start = time.perf_counter()
+cache_teacher(teacher, examples, out, CacheTeacherSettings(splits=("train",), progress=False))
+seconds = time.perf_counter() - start
+RESULT = {"examples": len(train), "seconds": seconds, "examples_per_s": len(train) / seconds}
+"""
+
+STAGE_TWO = """
+import json, statistics, sys
+from pathlib import Path
+from c2kd.student.distill import DistillRecipe, distill
+cache, data, out, steps, block = sys.argv[1], sys.argv[2], Path(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+read_cache = sys.argv[6] if len(sys.argv) > 6 else None
+recipe = DistillRecipe(student="tiny-student", max_val=50, shuffle_block=block)
+distill(cache, data, out, recipe, {"max_steps": steps, "log_every": 1, "progress": False, "checkpoint_every": 0},
+        final_splits=("validation",), read_cache=read_cache)
+def rate(log):  # the median of the logged steps, the first 3 (warm-up, nothing read ahead) left out
+    rates = [r["examples_per_s"] for r in map(json.loads, log.read_text().splitlines()) if r.get("kind") == "train"][3:]
+    return statistics.median(rates) if rates else None
+RESULT = {"stage1_examples_per_s": rate(out / "stage1_log.jsonl"), "stage2_examples_per_s": rate(out / "log.jsonl")}
+"""
+
+READER = """
+import sys, time
+from c2kd.cache_schema import TeacherCache
+from c2kd.student.cache_batches import CacheBatches
+cache = TeacherCache.open(sys.argv[1])
+ids = cache.split_ids("train")
+source = CacheBatches(cache, ids, 32, 0, block=int(sys.argv[2]))
+n, warm = 0, 2 * source.group  # the first reads (each shard's first-touch checks) left out
+for i, batch in enumerate(source.batches(0)):
+    if i == warm:
+        start = time.perf_counter()
+    n += len(batch.example_ids) if i >= warm else 0
+    if i == warm + int(sys.argv[3]) - 1:
+        break
+RESULT = {"examples_per_s": n / (time.perf_counter() - start), "batches": i + 1 - warm}
+"""
+
+
+def s3_stream(args: argparse.Namespace, cache: Path, data: Path) -> dict:
+    """Stage two from the cache pushed to s3:// (a moto server on 127.0.0.1) through a fresh read
+    cache, beside the same run from the local folder, in --rounds interleaved rounds: examples/s
+    of each, and the bytes the read cache holds afterwards (each file is fetched whole, once) ÷ the
+    cache's size."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_DEFAULT_REGION": "us-east-1", "FSSPEC_S3_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    saved = dict(os.environ)
+    os.environ.update(env)
+    try:
+        for _ in range(100):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.2)
+        url = "s3://c2kd-bench/cache-5x"
+        subprocess.run([sys.executable, "-c", "import s3fs; s3fs.S3FileSystem().mkdir('c2kd-bench')"], check=True, env=env)
+        subprocess.run([sys.executable, "-m", "c2kd.cli", "cache", "push", str(cache), url], check=True, env=env,
+                       capture_output=True, cwd=ROOT)
+        size = sum(f.stat().st_size for f in cache.rglob("*") if f.is_file())
+        rounds: dict = {}
+        for r in range(args.rounds):
+            for name, source in (("local", str(cache)), ("s3", url)):
+                run, read_cache = args.out / "runs" / f"s3-{name}-r{r}", args.out / f"read-cache-r{r}"
+                shutil.rmtree(run, ignore_errors=True)
+                if name == "s3":
+                    shutil.rmtree(read_cache, ignore_errors=True)
+                extra = [str(read_cache)] if name == "s3" else []
+                measured = child(STAGE_TWO, source, str(data), str(run), str(args.steps), "4096", *extra)
+                if name == "s3":
+                    measured["fetched_bytes"] = sum(f.stat().st_size for f in read_cache.rglob("*") if f.is_file())
+                    measured["fetched_over_cache_size"] = measured["fetched_bytes"] / size
+                rounds.setdefault(name, []).append(measured)
+                print(f"s3 step {name} round {r}: {measured}")
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        os.environ.clear()
+        os.environ.update(saved)
+    local = statistics.median(m["stage2_examples_per_s"] for m in rounds["local"])
+    remote = statistics.median(m["stage2_examples_per_s"] for m in rounds["s3"])
+    return {"rounds": rounds, "cache_bytes": size, "s3_over_local_stage2_examples_per_s": remote / local,
+            "fetched_over_cache_size": max(m["fetched_over_cache_size"] for m in rounds["s3"])}
+
+
+def folder_entries(cache: Path) -> dict:
+    """The most entries in any folder of the cache."""
+    entries, folder = max((len(names) + len(files), d) for d, names, files in os.walk(cache))
+    return {"most_entries": entries, "folder": str(Path(folder).relative_to(cache))}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--teacher-shape", default=None, help="WIDTH,LAYERS,HEADS,INTER of a random llama teacher")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--reader-batches", type=int, default=200)
+    p.add_argument("--base", type=int, default=BASE_EXAMPLES, help="examples of the 1x cache (smaller: a quick check)")
+    p.add_argument("--s3", action="store_true", help="also: distill from the 5x cache pushed to an S3 server (moto)")
+    p.add_argument("--json", type=Path, default=None, help="result file [default: OUT/cache_scale.json]")
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    target = args.json or args.out / "cache_scale.json"
+    result = json.loads(target.read_text()) if target.exists() else {}
+    result.setdefault("stage_one", {}), result.setdefault("stage_two", {})
+    result["teacher"], result["base_examples"] = args.teacher_shape or "tiny-teacher", args.base
+    data, teacher = prepare_inputs(args.out, args.teacher_shape)
+    total = len(load_examples(data).split("train"))
+
+    caches = {}
+    for scale in SCALES:  # stage one, smallest first
+        n = min(args.base * scale, total)
+        caches[scale] = args.out / f"cache-{scale}x"
+        if f"{scale}x" not in result["stage_one"]:
+            shutil.rmtree(caches[scale], ignore_errors=True)  # one cut short: start it again
+            measured = child(STAGE_ONE, str(data), str(teacher), str(caches[scale]), str(n))
+            size = sum(f.stat().st_size for f in caches[scale].rglob("*") if f.is_file())
+            result["stage_one"][f"{scale}x"] = {**measured, "bytes": size, "shards": len(list((caches[scale] / "shards").iterdir())),
+                                                **folder_entries(caches[scale])}
+            write_result(target, result)
+        print(f"stage one {scale}x: {result['stage_one'][f'{scale}x']}")
+
+    if "verify" not in result:
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "c2kd.cli", "cache", "verify", str(caches[20])], check=True,
+                       capture_output=True, cwd=ROOT)
+        seconds = time.perf_counter() - start
+        result["verify"] = {"seconds": seconds, "seconds_per_gb": seconds / (result["stage_one"]["20x"]["bytes"] / 1e9)}
+        write_result(target, result)
+
+    variants = {f"{s}x": (caches[s], 4096) for s in SCALES} | {"20x-full-shuffle": (caches[20], 0)}
+    for r in range(args.rounds):  # interleaved rounds
+        for name, (cache, block) in variants.items():
+            key = f"round{r}"
+            if key in result["stage_two"].get(name, {}):
+                continue
+            run = args.out / "runs" / f"{name}-r{r}"
+            shutil.rmtree(run, ignore_errors=True)
+            measured = child(STAGE_TWO, str(cache), str(data), str(run), str(args.steps), str(block))
+            result["stage_two"].setdefault(name, {})[key] = measured
+            write_result(target, result)
+            print(f"stage two {name} round {r}: {measured}")
+
+    def median(name: str, field: str) -> float:
+        return statistics.median(v[field] for v in result["stage_two"][name].values())
+
+    summary = {name: {f: median(name, f) for f in ("stage1_examples_per_s", "stage2_examples_per_s", "peak_rss_mib")}
+               for name in variants}
+    for name in variants:
+        summary[name] |= {f"{f}_vs_1x": summary[name][f] / summary["1x"][f]
+                          for f in ("stage1_examples_per_s", "stage2_examples_per_s", "peak_rss_mib")}
+    result["summary"] = summary
+    if "reader" not in result:
+        result["reader"] = child(READER, str(caches[20]), "4096", str(args.reader_batches))
+    result["reader"]["vs_student_stage2"] = result["reader"]["examples_per_s"] / summary["20x"]["stage2_examples_per_s"]
+    if args.s3 and "s3" not in result:
+        result["s3"] = s3_stream(args, caches[5], data)
+        write_result(target, result)
+    shards_1m = math.ceil(1_000_000 / EXAMPLES_PER_SHARD)
+    result["files_per_folder"] = {"measured_20x": result["stage_one"]["20x"]["most_entries"],
+                                  "shards_folder_at_1M_examples": shards_1m, "hub_limit": HUB_FOLDER_LIMIT,
+                                  "examples_before_limit": HUB_FOLDER_LIMIT * EXAMPLES_PER_SHARD}
+    write_result(target, result)
+    print(json.dumps({k: result.get(k) for k in ("summary", "reader", "verify", "files_per_folder", "s3")}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
