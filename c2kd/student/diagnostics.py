@@ -31,6 +31,9 @@ def _item_answers(batch: CachedBatch, item_tokens: Tensor) -> tuple[Tensor, Tens
     return rows, candidates, target_index
 
 
+READ_GROUPS = 8  # batches per cache read in probe_report
+
+
 @torch.no_grad()
 def probe_report(filters: LayerFilters, cache: TeacherCache, example_ids: Sequence[int], classes: Tensor | None,
                  item_token_ids: Tensor, head_weight: Tensor, batch_size: int = 64) -> dict[str, float]:
@@ -45,7 +48,10 @@ def probe_report(filters: LayerFilters, cache: TeacherCache, example_ids: Sequen
     rows_seen, ranked, teacher_hits, num_candidates = 0, 0, 0, 0
     ids = np.asarray(example_ids)
     groups = [ids[i : i + batch_size] for i in range(0, len(ids), batch_size)]
-    for batch in cache.get_batches(groups, layers=layers, final_hidden=True, logits=True):
+    read = lambda start: cache.get_batches(groups[start : start + READ_GROUPS], layers=layers, final_hidden=True,  # noqa: E731
+                                           logits=True)
+    # a few batches per read: memory stays flat however many held-out examples there are
+    for batch in (b for start in range(0, len(groups), READ_GROUPS) for b in read(start)):
         batch = batch.to(device)
         hidden, labels = probe_inputs(batch, classes)
         item_rows, candidates, target = _item_answers(batch, item_tokens)
