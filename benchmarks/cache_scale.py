@@ -200,6 +200,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--reader-batches", type=int, default=200)
     p.add_argument("--base", type=int, default=BASE_EXAMPLES, help="examples of the 1x cache (smaller: a quick check)")
+    p.add_argument("--stage-one-only", action="store_true", help="stop after the caches and their verification")
     p.add_argument("--s3", action="store_true", help="also: distill from the 5x cache pushed to an S3 server (moto)")
     p.add_argument("--json", type=Path, default=None, help="result file [default: OUT/cache_scale.json]")
     args = p.parse_args()
@@ -232,6 +233,8 @@ def main() -> None:
         result["verify"] = {"seconds": seconds, "seconds_per_gb": seconds / (result["stage_one"]["20x"]["bytes"] / 1e9)}
         write_result(target, result)
 
+    if args.stage_one_only:
+        return
     variants = {f"{s}x": (caches[s], 4096) for s in SCALES} | {"20x-full-shuffle": (caches[20], 0)}
     for r in range(args.rounds):  # interleaved rounds
         for name, (cache, block) in variants.items():
