@@ -31,7 +31,7 @@ from c2kd.recmodel.prompts import answer_index
 from c2kd.student.filters import LayerFilters, stage1_loss
 from c2kd.student.cache_batches import CacheBatches
 import c2kd.student.distill as distill_module
-from c2kd.student.distill import PAPER_RECIPE, DistillRecipe, build_student, distill
+from c2kd.student.distill import DEFAULT_RECIPES, PAPER_RECIPE, DistillRecipe, build_student, distill
 from c2kd.student.losses import logit_kd_loss, soft_cross_entropy
 from c2kd.student.objective import DistillModel
 from c2kd.training import TrainConfig, epoch_batches, read_log, train
@@ -290,11 +290,17 @@ def test_loss_terms_and_gradients_per_method(caches, recipe, terms):
 # ---------------------------------------------------------------- the recipe end to end
 
 
+MICRO = dataclasses.asdict(DistillRecipe(student="micro"))
+
+
 @pytest.mark.parametrize("flags, expected", [
-    ([], dataclasses.asdict(DistillRecipe(student="micro"))),
-    (["--recipe", "paper"], {**dataclasses.asdict(DistillRecipe(student="micro")), **PAPER_RECIPE}),
-    (["--recipe", "paper", "--w-logit", "2.0", "--router", "probe"],
-     {**dataclasses.asdict(DistillRecipe(student="micro")), **PAPER_RECIPE, "w_logit": 2.0, "router": "probe"}),
+    ([], {**MICRO, **DEFAULT_RECIPES["c2kd"]}),
+    (["--w-feat", "0.25"], {**MICRO, **DEFAULT_RECIPES["c2kd"], "w_feat": 0.25}),
+    (["--method", "logit-kd"], {**MICRO, **DEFAULT_RECIPES["logit-kd"], "method": "logit-kd"}),
+    (["--no-cross-head"], {**MICRO, **DEFAULT_RECIPES["c2kd"], "cross_head": False, "w_own_logit": 0.0}),
+    (["--method", "sft"], {**MICRO, "method": "sft"}),
+    (["--recipe", "paper"], {**MICRO, **PAPER_RECIPE}),
+    (["--recipe", "paper", "--w-logit", "2.0", "--router", "probe"], {**MICRO, **PAPER_RECIPE, "w_logit": 2.0, "router": "probe"}),
 ])
 def test_recipe_presets_and_the_options_given_beside_them(flags, expected, tmp_path, monkeypatch):
     from c2kd.student import distill as module
@@ -517,6 +523,25 @@ def test_ddp_two_ranks_each_read_their_part(caches, examples, tmp_path):
 
 
 # ---------------------------------------------------------------- the batch source
+
+
+def test_decoded_shards_give_the_same_batches_and_stay_bounded(caches):
+    cache = TeacherCache.open(caches("all", "bfloat16"))
+    ids = cache.split_ids("train")
+    groups = [np.random.default_rng(s).choice(ids, 24, replace=False) for s in range(6)]
+    plain = [cache.get(g) for g in groups]
+    cache.keep_decoded(2)
+    for g, expected in zip(groups, plain):
+        got = cache.get(g)
+        assert torch.equal(got.input_ids, expected.input_ids) and torch.equal(got.labels, expected.labels)
+        assert all(torch.equal(got.outputs[k], expected.outputs[k]) for k in expected.outputs)
+        assert 0 < len(cache._decoded) <= 2
+    # CacheBatches keeps a block's shards decoded when its examples fill their shards; none for sparse subsets
+    dense = CacheBatches(cache, ids, batch_size=8, seed=0, block=64, layers=cache.spec.layers)
+    in_use = len(set(dense.shards.tolist()))
+    assert cache._decoded_capacity == min(in_use, int(np.ceil(64 / (len(ids) / in_use))) + 2) > 0
+    CacheBatches(cache, ids[::16], batch_size=8, seed=0, block=64, layers=cache.spec.layers)
+    assert cache._decoded_capacity == 0
 
 
 def test_cache_batches_follow_the_trainer_order_and_resume_by_position(caches):

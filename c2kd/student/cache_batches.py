@@ -37,7 +37,17 @@ class CacheBatches:
         self.shards, self.block = cache.shards_of(self.example_ids), block
         self.get_kwargs = get_kwargs
         self.num_examples = len(self.example_ids)
+        cache.keep_decoded(self._decoded_shards())
         self.rank, self.world = distributed.dist_env()[:2]
+
+    def _decoded_shards(self) -> int:
+        """How many shards to keep decoded: a block's (each shard then decoded once an epoch) when
+        the examples fill their shards densely and a block is bounded; else none (sparse reads)."""
+        in_use = len(np.unique(self.shards))
+        per_shard = self.num_examples / max(in_use, 1)
+        if self.block <= 0 or per_shard < self.cache.spec.examples_per_shard / 2:
+            return 0
+        return min(in_use, int(np.ceil(self.block / per_shard)) + 2)
 
     def _epoch(self, epoch: int) -> list[np.ndarray]:
         return epoch_batches(self.num_examples, self.batch_size, self.seed, epoch, self.world, self.shards, self.block)
