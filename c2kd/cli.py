@@ -28,7 +28,7 @@ from c2kd.deploy.export import export_ranker as _export_ranker
 from c2kd.finetune.teacher import LoraSettings, TeacherRecipe
 from c2kd.pipeline.cache_teacher import CacheTeacherSettings
 from c2kd.sasrec.train import SASRecTrainConfig, evaluate_sasrec as _evaluate_sasrec
-from c2kd.student.distill import DistillRecipe, distill as _distill
+from c2kd.student.distill import DEFAULT_RECIPES, PAPER_RECIPE, DistillRecipe, distill as _distill
 from c2kd.training import MAX_SEED, TrainConfig
 
 app = typer.Typer(help="c2kd: distil an LLM recommender into a small on-device one (C2KD).", no_args_is_help=True)
@@ -73,7 +73,12 @@ def _field(owner: object, name: str, flag: str, text: str, **kw) -> typer.models
     if isinstance(default, tuple):
         default = ",".join(map(str, default))
     kind = None if isinstance(default, bool) else type(default) if isinstance(default, (int, float)) else None
+    if owner is DistillRecipe and name in _PRESET_FIELDS:  # the dataclass's default is not what --recipe sets
+        text, kw["show_default"] = f"{text} (default: set by --recipe; the paper's {PAPER_RECIPE.get(name, default)})", False
     return typer.Option(default, flag, help=text, **_numbers(kw.pop("kind", kind), kw))
+
+
+_PRESET_FIELDS = set(PAPER_RECIPE).union(*DEFAULT_RECIPES.values())
 
 
 def _opt(flag: str, text: str, cls: type | None = None, name: str | None = None, kind: type | None = None,
@@ -579,14 +584,13 @@ def _check_read_cache(read_cache: Path, cache: str) -> None:
 
 
 def _with_preset(ctx: typer.Context, recipe: DistillRecipe, name: str) -> DistillRecipe:
-    """`recipe` with the preset `name`'s fields (student.distill.RECIPES), less those given on the command line."""
-    from c2kd.student.distill import RECIPES
+    """`recipe` with the preset `name`'s fields for its method (student.distill.recipe_preset), less
+    those given on the command line."""
+    from c2kd.student.distill import recipe_preset
 
-    if name not in RECIPES:
-        raise C2KDError(f"--recipe {name!r}: expected one of {', '.join(RECIPES)}")
     given = lambda k: getattr(ctx.get_parameter_source(k), "name", None) == "COMMANDLINE"  # noqa: E731 (typer's click)
-    preset = {k: v for k, v in RECIPES[name].items() if not given(k)}
-    return dataclasses.replace(recipe, **preset)
+    preset = recipe_preset(name, recipe.method, recipe.cross_head)
+    return dataclasses.replace(recipe, **{k: v for k, v in preset.items() if not given(k)})
 
 
 @app.command("distill")
@@ -665,6 +669,7 @@ def distill_cmd(
 
 @app.command("tune")
 def tune_cmd(
+    ctx: typer.Context,
     cache: str = typer.Option(..., "--cache", help="Teacher cache (a folder or a URL) every trial's student learns from."),
     data: Path = typer.Option(..., "--data", help="Prepared examples folder the cache was built from."),
     out: Path = typer.Option(..., "--out", help="Search folder: the Optuna study, every trial's student, tune.json and tune.md."),
@@ -675,6 +680,7 @@ def tune_cmd(
     filter_init: str = _field(DR, "filter_init", "--filter-init", "Stage-1 filter start, as for distill."),
     stage1_epochs: int = _field(DR, "stage1_epochs", "--stage1-epochs", "Epochs of stage 1, as for distill."),
     stage1_lr: float = _field(DR, "stage1_lr", "--stage1-lr", "Learning rate of stage 1."),
+    recipe_name: str = typer.Option("default", "--recipe", help="The recipe the search starts from (its first trial) and keeps where the space does not search: default or paper, as for distill."),
     trials: int = typer.Option(20, "--trials", help="Trials in all (a resumed search runs the ones still missing)."),
     space: Optional[Path] = typer.Option(None, "--space", help='JSON object of DistillRecipe fields to search, e.g. {"w_logit": {"low": 0.25, "high": 16, "log": true}, "router": {"choices": ["top1", "probe"]}} [default: the method\'s space in c2kd/student/tune.py].'),
     objective: str = typer.Option("HR@1", "--objective", help="Validation metric (over the 20 candidates) the search maximises."),
@@ -692,6 +698,7 @@ def tune_cmd(
     with reporting_errors():
         base = DR(method=method, student=student, shrink=shrink, kd_over=kd_over, filter_init=filter_init,
                   stage1_epochs=stage1_epochs, stage1_lr=stage1_lr, max_train=max_train, max_val=max_val)
+        base = _with_preset(ctx, base, recipe_name)
         dims = read_space(space, method)
         config = _train_config(epochs=epochs, batch_size=batch_size, lr=lr, seed=seed, bf16=bf16)
         record = tune(cache, data, out, base, dims, trials, config, objective=objective,

@@ -32,7 +32,7 @@ from c2kd.data.prepare import prepare
 from c2kd.sasrec.train import SASRecTrainConfig, evaluate_sasrec, load_sasrec, train_sasrec
 from c2kd.finetune.teacher import TeacherRecipe, train_teacher
 from c2kd.recmodel.model import RecLM
-from c2kd.student.distill import DistillRecipe, distill
+from c2kd.student.distill import DistillRecipe, distill, recipe_preset
 
 console = Console()
 
@@ -59,9 +59,8 @@ class DemoSettings:
     student_epochs: int = 3
     student_lr: float = 1e-3
     student_max_train: int | None = 512  # the examples the teacher trained on, cached
-    # the C2KD student's `--w-own-logit` (not the paper's, whose is 0): KD on the head that ranks,
-    # chosen on the real-LLM benchmark and the demo's seeds (docs/RESULTS.md)
-    w_own_logit: float = 4.0
+    # the C2KD student's recipe: `distill --recipe default` (DEFAULT_RECIPES, chosen on validation on
+    # this demo's pair by `c2kd tune`; benchmarks/results/c2kd_parts/demo.json)
     # the C2KD student's `--kd-over`: its logit losses over the item tokens, not the whole vocabulary:
     # faster at the same test HR@1 (docs/RESULTS.md, the demo's students)
     kd_over: str = "items"
@@ -112,21 +111,22 @@ def run_demo(out: Path | None = None, settings: DemoSettings = DemoSettings()) -
                   {**train_common, "epochs": s.teacher_epochs, "lr": s.teacher_lr})
     timings["teacher"] = time.perf_counter() - t
 
-    t = _step("4/7 stage one: teacher cache (the examples the students train on)")
+    t = _step("4/7 stage one: teacher cache (the examples the students train on, and validation ones)")
+    # the validation split too: stage 1 of the C2KD student judges its probes there, as `c2kd tune` did
     cache_teacher(run / "teacher", examples, run / "cache",
-                  CacheTeacherSettings(splits=("train",), max_examples=s.student_max_train))
+                  CacheTeacherSettings(splits=("train", "validation"), max_examples=s.student_max_train))
     timings["cache"] = time.perf_counter() - t
 
     students = {"student alone (SFT)": "sft", "C2KD student": "c2kd"}
     student_tests = {}  # distill ends by evaluating its student on the test split: not done twice
     for i, (name, method) in enumerate(students.items()):
-        # the logit-loss settings go to the C2KD student only (SFT has no logit loss; it keeps distill's defaults)
-        logit_terms = {"w_own_logit": s.w_own_logit, "kd_over": s.kd_over} if method == "c2kd" else {}
-        flags = f" (--w-own-logit {s.w_own_logit:g}, --kd-over {s.kd_over})" if logit_terms else ""
+        # the default recipe and the logit support go to the C2KD student only (SFT has no such terms)
+        terms = {**recipe_preset("default", "c2kd"), "kd_over": s.kd_over} if method == "c2kd" else {}
+        flags = f" (the default recipe, --kd-over {s.kd_over})" if terms else ""
         t = _step(f"{5 + i}/7 stage two: {name}{flags}, from the cache only")
         record = distill(run / "cache", examples, run / f"student-{method}",
                          DistillRecipe(method=method, student=s.student, shrink=s.student_shrink,
-                                       max_train=s.student_max_train, max_val=s.max_val, **logit_terms),
+                                       max_train=s.student_max_train, max_val=s.max_val, **terms),
                          {**train_common, "epochs": s.student_epochs, "lr": s.student_lr})
         student_tests[name] = record["metrics"]["test"]["candidates"]
         timings[f"student-{method}"] = time.perf_counter() - t

@@ -6,6 +6,7 @@ import pytest
 
 from c2kd.demo import DemoSettings, run_demo
 from c2kd.hardware import native_bf16
+from c2kd.student.distill import DEFAULT_RECIPES
 
 
 @pytest.mark.slow
@@ -36,10 +37,10 @@ def test_demo_runs_every_stage_into_one_folder(tmp_path, bf16):
         measured = json.loads((run / f"student-{method}" / "distill.json").read_text())["metrics"]["test"]["candidates"]
         assert {k: saved["results"][name][k] for k in measured} == measured, name
     assert saved["machine"]["cpu"] and saved["machine"]["cores"] >= 1
-    # the own-head term goes to the C2KD student only
+    # the default recipe goes to the C2KD student only
     recipes = {m: json.loads((run / f"student-{m}" / "recipe.json").read_text()) for m in ("sft", "c2kd")}
-    assert recipes["c2kd"]["w_own_logit"] == settings.w_own_logit > 0
-    assert recipes["sft"]["w_own_logit"] == 0.0
+    assert {k: recipes["c2kd"][k] for k in DEFAULT_RECIPES["c2kd"]} == DEFAULT_RECIPES["c2kd"]
+    assert recipes["c2kd"]["w_own_logit"] > 0 and recipes["sft"]["w_own_logit"] == 0.0
     assert recipes["c2kd"]["kd_over"] == settings.kd_over == "items"
     # the teacher's SASRec distillation weight reaches the teacher
     assert json.loads((run / "teacher" / "recipe.json").read_text())["sasrec_kd"] == settings.teacher_sasrec_kd
