@@ -7,10 +7,12 @@ per token), cached at 1x, 5x and 20x. Each step runs in a fresh process, one at 
 - stage one per cache: examples/s over the run and the process's peak RSS;
 - `cache verify` of the 20x cache: seconds per GB;
 - stage two (`distill --method c2kd --max-steps S`, tiny-student): the median examples/s of the
-  logged steps of each stage and the peak RSS, for each cache with the default shard-aware order
+  logged steps of each stage, stage two's examples over its wall seconds (waits for the reader
+  included) and the peak RSS, for each cache with the default shard-aware order
   and for the 20x cache with one full shuffle (--shuffle-block 0, the order before it existed),
   in --rounds interleaved rounds (load changes on a shared machine hit every variant);
-- the reader alone (CacheBatches over the 20x cache, C2KD's reads) against the student's rate;
+- the reader alone (CacheBatches over the 1x and the 20x cache, C2KD's reads, both orders at 20x)
+  against the student's rate;
 - entries per folder, and by the plan's arithmetic for 1M examples.
 
 Every step resumes (a finished cache or run is kept; the JSON holds what is measured so far):
@@ -101,18 +103,17 @@ RESULT = {"examples": len(train), "seconds": seconds, "examples_per_s": len(trai
 """
 
 STAGE_TWO = """
-import json, statistics, sys
+import sys
 from pathlib import Path
+from benchmarks.cache_scale import step_rate, wall_rate
 from c2kd.student.distill import DistillRecipe, distill
 cache, data, out, steps, block = sys.argv[1], sys.argv[2], Path(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 read_cache = sys.argv[6] if len(sys.argv) > 6 else None
 recipe = DistillRecipe(student="tiny-student", max_val=50, shuffle_block=block)
 distill(cache, data, out, recipe, {"max_steps": steps, "log_every": 1, "progress": False, "checkpoint_every": 0},
         final_splits=("validation",), read_cache=read_cache)
-def rate(log):  # the median of the logged steps, the first 3 (warm-up, nothing read ahead) left out
-    rates = [r["examples_per_s"] for r in map(json.loads, log.read_text().splitlines()) if r.get("kind") == "train"][3:]
-    return statistics.median(rates) if rates else None
-RESULT = {"stage1_examples_per_s": rate(out / "stage1_log.jsonl"), "stage2_examples_per_s": rate(out / "log.jsonl")}
+RESULT = {"stage1_examples_per_s": step_rate(out / "stage1_log.jsonl"), "stage2_examples_per_s": step_rate(out / "log.jsonl"),
+          "stage2_wall_examples_per_s": wall_rate(out / "log.jsonl")}
 """
 
 READER = """
@@ -121,16 +122,35 @@ from c2kd.cache_schema import TeacherCache
 from c2kd.student.cache_batches import CacheBatches
 cache = TeacherCache.open(sys.argv[1])
 ids = cache.split_ids("train")
-source = CacheBatches(cache, ids, 32, 0, block=int(sys.argv[2]))
-n, warm = 0, 2 * source.group  # the first reads (each shard's first-touch checks) left out
+source = CacheBatches(cache, ids, 32, 0, block=int(sys.argv[2]), layers=cache.spec.layers)
+# every shard touched first (its one-time checks), so both orders are timed in their steady state
+shards = cache.shards_of(ids)
+cache.get([ids[shards == s][0] for s in sorted(set(shards.tolist()))])
+n, start = 0, time.perf_counter()
 for i, batch in enumerate(source.batches(0)):
-    if i == warm:
-        start = time.perf_counter()
-    n += len(batch.example_ids) if i >= warm else 0
-    if i == warm + int(sys.argv[3]) - 1:
+    n += len(batch.example_ids)
+    if i == int(sys.argv[3]) - 1:
         break
-RESULT = {"examples_per_s": n / (time.perf_counter() - start), "batches": i + 1 - warm}
+RESULT = {"examples_per_s": n / (time.perf_counter() - start), "batches": i + 1}
 """
+
+
+def _train_rates(log: Path) -> list[float]:
+    return [r["examples_per_s"] for r in map(json.loads, log.read_text().splitlines()) if r.get("kind") == "train"]
+
+
+def step_rate(log: Path) -> float | None:
+    """The median of the logged steps (one step each), the first 3 (warm-up) left out: the pace of
+    a step that does not wait for the reader."""
+    rates = _train_rates(log)[3:]
+    return statistics.median(rates) if rates else None
+
+
+def wall_rate(log: Path) -> float | None:
+    """Examples over the seconds of every step but the first (the harmonic mean of the per-step
+    rates at one step per line): what a run gets, waits for the reader included."""
+    rates = _train_rates(log)[1:]
+    return len(rates) / sum(1 / r for r in rates) if rates else None
 
 
 def s3_stream(args: argparse.Namespace, cache: Path, data: Path) -> dict:
@@ -248,18 +268,31 @@ def main() -> None:
             write_result(target, result)
             print(f"stage two {name} round {r}: {measured}")
 
+    for name in variants:  # wall rates of runs recorded before they were measured: from their logs
+        for r, run in result["stage_two"][name].items():
+            log = args.out / "runs" / f"{name}-r{r.removeprefix('round')}" / "log.jsonl"
+            if "stage2_wall_examples_per_s" not in run and log.exists():
+                run["stage2_wall_examples_per_s"] = wall_rate(log)
+
     def median(name: str, field: str) -> float:
         return statistics.median(v[field] for v in result["stage_two"][name].values())
 
-    summary = {name: {f: median(name, f) for f in ("stage1_examples_per_s", "stage2_examples_per_s", "peak_rss_mib")}
-               for name in variants}
+    fields = ("stage1_examples_per_s", "stage2_examples_per_s", "stage2_wall_examples_per_s", "peak_rss_mib")
+    summary = {name: {f: median(name, f) for f in fields} for name in variants}
     for name in variants:
-        summary[name] |= {f"{f}_vs_1x": summary[name][f] / summary["1x"][f]
-                          for f in ("stage1_examples_per_s", "stage2_examples_per_s", "peak_rss_mib")}
+        summary[name] |= {f"{f}_vs_1x": summary[name][f] / summary["1x"][f] for f in fields}
     result["summary"] = summary
-    if "reader" not in result:
-        result["reader"] = child(READER, str(caches[20]), "4096", str(args.reader_batches))
-    result["reader"]["vs_student_stage2"] = result["reader"]["examples_per_s"] / summary["20x"]["stage2_examples_per_s"]
+    readers = {"1x": (caches[1], 4096), "20x": (caches[20], 4096), "20x-full-shuffle": (caches[20], 0)}
+    for r in range(args.rounds):  # the reader alone (C2KD's reads, no student), interleaved rounds
+        for name, (cache, block) in readers.items():
+            if f"round{r}" not in result.setdefault("readers", {}).setdefault(name, {}):
+                result["readers"][name][f"round{r}"] = child(READER, str(cache), str(block), str(args.reader_batches))
+                write_result(target, result)
+    result["reader"] = {name: {"examples_per_s": statistics.median(v["examples_per_s"] for v in result["readers"][name].values())}
+                        for name in readers}
+    for name in readers:
+        result["reader"][name]["vs_student_step"] = (result["reader"][name]["examples_per_s"]
+                                                     / summary[name]["stage2_examples_per_s"])
     if args.s3 and "s3" not in result:
         result["s3"] = s3_stream(args, caches[5], data)
         write_result(target, result)
