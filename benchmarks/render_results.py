@@ -475,6 +475,27 @@ def readme_rows(results: Path) -> list[list[str]]:
                  f"SmolLM2: C2KD {cell(_hr(tier['smollm2']['rows'], 'C2KD'))}, logit KD {cell(_hr(tier['smollm2']['rows'], 'logit KD'))}; "
                  f"Gemma: C2KD {cell(_hr(tier['gemma']['rows'], 'C2KD'))}, logit KD {cell(_hr(tier['gemma']['rows'], 'logit KD'))}",
                  link("real_llm/tier-fast-xeon-gemma-3-seeds.json", "real_llm/tier-fast-xeon-gemma-3-seeds.json")])
+    parts = _load(results, "c2kd_parts/demo.json")
+    if parts.get("comparisons"):
+        seeds = {name: list(row["test_HR@1"].values()) for name, row in parts["seeds"].items()}
+        vs = parts["comparisons"]["c2kd-tuned vs logit-kd-tuned"]
+        rows.append(["The demo's pair, each method's recipe chosen on validation (`c2kd tune`, 12 trials each), "
+                     f"{len(seeds['c2kd-tuned'])} seeds",
+                     f"**C2KD (the default recipe) {cell(seeds['c2kd-tuned'])}**, logit KD (tuned) "
+                     f"{cell(seeds['logit-kd-tuned'])}, student alone {cell(seeds['sft'])}, C2KD at the paper's weights "
+                     f"{cell(seeds['c2kd-paper'])}; C2KD − logit KD per user {vs['diff']:+.4f} "
+                     f"(95 % CI {vs['ci_low']:+.4f} … {vs['ci_high']:+.4f}, McNemar p = {vs['p_value']:.2g})",
+                     link("c2kd_parts/demo.json", "c2kd_parts/demo.json")])
+    dtype = _load(results, "cache_dtype/result.json")
+    scale = _load(results, "cache_scale/tiny.json")
+    summary = scale["summary"]
+    rows.append(["Caches at scale: bytes per token; 1× → 20× the data (94,300 examples, tiny teacher)",
+                 f"float8 ÷ bfloat16 bytes/token {num(dtype['bytes_per_token_ratio'])} (SmolLM2-135M); stage two at 20× ÷ 1×: "
+                 f"examples/s {num(summary['20x']['stage2_examples_per_s_vs_1x'])}, peak RSS "
+                 f"{num(summary['20x']['peak_rss_mib_vs_1x'])}; stage one {num(scale['stage_one']['1x']['examples_per_s'])} → "
+                 f"{num(scale['stage_one']['20x']['examples_per_s'])} examples/s; two torchrun nodes + `cache merge` = "
+                 "the one-process cache, shard by shard (tested)",
+                 ", ".join((link("cache_dtype/result.json", "cache_dtype"), link("cache_scale/tiny.json", "cache_scale")))])
     s1 = _load(results, "stage_one/default.json")["results"]["SmolLM2-135M"]
     rows.append(["Cache size, SmolLM2-135M teacher (bf16, zstd, exact logits)",
                  f"{num(s1['bytes_per_token_all_positions_exact_bf16']['zstd'])} B/token with 4 layers at every position, "

@@ -42,7 +42,7 @@ DEFAULT_SPACES: dict[str, dict[str, dict]] = {
         # the parts that made C2KD's own terms act on the demo's pair (docs/RESULTS.md, C2KD's parts)
         "router": {"choices": ["top1", "soft:8", "probe"]},
         "student_layer": {"choices": ["penultimate", "last"]},
-        "filter_init": {"choices": ["random", "lens"]},
+        "filter_init": {"choices": ["random", "auto"]},
     },
     "logit-kd": {"w_logit": {"low": 0.25, "high": 16.0, "log": True}},
     "feature-kd": {"w_feat": {"low": 0.05, "high": 4.0, "log": True}},
