@@ -491,7 +491,8 @@ def readme_rows(results: Path) -> list[list[str]]:
     summary = scale["summary"]
     rows.append(["Caches at scale: bytes per token; 1× → 20× the data (94,300 examples, tiny teacher)",
                  f"float8 ÷ bfloat16 bytes/token {num(dtype['bytes_per_token_ratio'])} (SmolLM2-135M); stage two at 20× ÷ 1×: "
-                 f"examples/s {num(summary['20x']['stage2_examples_per_s_vs_1x'])}, peak RSS "
+                 f"examples/s over the run {num(summary['20x']['stage2_wall_examples_per_s_vs_1x'])} with the shard-aware "
+                 f"order ({num(summary['20x-full-shuffle']['stage2_wall_examples_per_s_vs_1x'])} with a full shuffle), peak RSS "
                  f"{num(summary['20x']['peak_rss_mib_vs_1x'])}; stage one {num(scale['stage_one']['1x']['examples_per_s'])} → "
                  f"{num(scale['stage_one']['20x']['examples_per_s'])} examples/s; two torchrun nodes + `cache merge` = "
                  "the one-process cache, shard by shard (tested)",
