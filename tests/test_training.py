@@ -1,7 +1,7 @@
 """The trainer on a toy MLP with dropout (CPU, seconds): learning, exact resume, best-state
 selection, the log, gradient accumulation and 2-rank DDP.
 
-This file is also a script (`python tests/test_training.py run OUT [--sleep-after K] [--dropout P]`) so
+This file is also a script (`python tests/test_training.py run OUT [--sleep-after K] [--exit-after K] [--dropout P]`) so
 that subprocess tests (SIGKILL, torchrun) train exactly the same toy run."""
 
 from __future__ import annotations
@@ -398,18 +398,11 @@ def test_a_run_stopped_under_two_processes_resumes_under_one_in_the_same_global_
     single, _ = run(tmp_path / "single", dropout=0.0, epochs=2)
     out = tmp_path / "elastic"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # a rank dies once checkpoint 4 exists; torchrun then stops the other one and exits (no orphan left)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(HERE), "run", str(out), "--dropout", "0.0", "--epochs", "2", "--sleep-after", "4"]
-    launcher = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.time() + 240
-        while not (out / "checkpoints" / "step-000004").is_dir():
-            assert launcher.poll() is None, "the two-process run ended before its checkpoint"
-            assert time.time() < deadline
-            time.sleep(0.05)
-    finally:
-        os.killpg(launcher.pid, signal.SIGKILL)
-        launcher.wait(timeout=30)
+           str(HERE), "run", str(out), "--dropout", "0.0", "--epochs", "2", "--exit-after", "4"]
+    stopped = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert stopped.returncode != 0 and (out / "checkpoints" / "step-000004").is_dir(), stopped.stderr[-2000:]
     assert len(torch.load(out / "checkpoints" / "step-000004" / "trainer.pt", weights_only=True)["ranks"]) == 2
     resumed, result = run(out, dropout=0.0, epochs=2)
     assert result.resumed_from == 4
@@ -427,6 +420,7 @@ def _main(argv: list[str]) -> None:
     parser.add_argument("mode", choices=["run"])
     parser.add_argument("out")
     parser.add_argument("--sleep-after", type=int, default=0)
+    parser.add_argument("--exit-after", type=int, default=0)
     parser.add_argument("--dropout", type=float, default=0.2)
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--save-rank-weights", action="store_true")
@@ -436,6 +430,8 @@ def _main(argv: list[str]) -> None:
     def loss(model, batch):
         if args.sleep_after and (out / "checkpoints" / f"step-{args.sleep_after:06d}").is_dir():
             time.sleep(600)  # killed here
+        if args.exit_after and (out / "checkpoints" / f"step-{args.exit_after:06d}").is_dir():
+            os._exit(3)  # a crash
         return loss_fn(model, batch)
 
     model, _ = run(out, dropout=args.dropout, loss=loss, epochs=args.epochs)
