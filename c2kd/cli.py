@@ -28,7 +28,7 @@ from c2kd.deploy.export import export_ranker as _export_ranker
 from c2kd.finetune.teacher import LoraSettings, TeacherRecipe
 from c2kd.pipeline.cache_teacher import CacheTeacherSettings
 from c2kd.sasrec.train import SASRecTrainConfig, evaluate_sasrec as _evaluate_sasrec
-from c2kd.student.distill import DEFAULT_RECIPES, PAPER_RECIPE, DistillRecipe, distill as _distill
+from c2kd.student.distill import DEFAULT_RECIPES, PAPER_RECIPE, DistillRecipe, distill as _distill, recipe_preset
 from c2kd.training import MAX_SEED, TrainConfig
 
 app = typer.Typer(help="c2kd: distil an LLM recommender into a small on-device one (C2KD).", no_args_is_help=True)
@@ -586,8 +586,6 @@ def _check_read_cache(read_cache: Path, cache: str) -> None:
 def _with_preset(ctx: typer.Context, recipe: DistillRecipe, name: str) -> DistillRecipe:
     """`recipe` with the preset `name`'s fields for its method (student.distill.recipe_preset), less
     those given on the command line."""
-    from c2kd.student.distill import recipe_preset
-
     given = lambda k: getattr(ctx.get_parameter_source(k), "name", None) == "COMMANDLINE"  # noqa: E731 (typer's click)
     preset = recipe_preset(name, recipe.method, recipe.cross_head)
     return dataclasses.replace(recipe, **{k: v for k, v in preset.items() if not given(k)})
