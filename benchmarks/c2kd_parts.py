@@ -10,7 +10,11 @@ student (the teacher's first 2 layers, 3 epochs on 512 cached examples, logit lo
    logit lens, the soft and probe routers, the last student layer;
 3. tune: `c2kd tune` for C2KD and for logit KD, the same number of trials each, on validation;
 4. seeds: the chosen C2KD, the tuned logit KD, the student alone and the paper's C2KD on the
-   test split, paired per user over seeds (c2kd.compare).
+   test split, paired per user over seeds (c2kd.compare);
+5. terms: the shipped default (`--recipe default`, the chosen weights rounded) and the default with
+   one C2KD term taken out at a time: the feature term, the cross-head term, and both (what is left
+   is logit KD on the student's own head at the default's weight), each paired per user against
+   the default on test, to show which of its terms the gain over tuned logit KD comes from.
 
 Every step resumes (each student is a distill run folder); the result JSON holds what each step
 measured. Usage:
@@ -32,7 +36,7 @@ from c2kd.demo import DemoSettings
 from c2kd.hardware import native_bf16
 from c2kd.pipeline.cache_teacher import CacheTeacherSettings, cache_teacher
 from c2kd.predictions import PREDICTIONS_FILE
-from c2kd.student.distill import DistillRecipe, distill
+from c2kd.student.distill import DistillRecipe, distill, recipe_preset
 from c2kd.student.tune import read_space, tune
 
 if __package__ in (None, ""):  # run as a file: the repository root, for `benchmarks.`
@@ -47,6 +51,15 @@ PARTS = {  # name -> the change from the paper's C2KD (the demo's student settin
     "router-soft": {"stage1_epochs": 3, "stage1_lr": 8e-4, "filter_init": "lens", "router": "soft:8"},
     "router-probe": {"stage1_epochs": 3, "stage1_lr": 8e-4, "filter_init": "lens", "router": "probe"},
     "student-layer-last": {"stage1_epochs": 3, "stage1_lr": 8e-4, "filter_init": "lens", "student_layer": "last"},
+}
+# step 5: name -> (the change from the shipped C2KD default, seeds at most); "own-head-only" keeps
+# only the own-head term, which is logit KD at the default's own-head weight
+TERMS = {
+    "c2kd-default": ({}, 5),
+    "own-head-only": ({"method": "logit-kd", "w_logit": recipe_preset("default", "c2kd")["w_own_logit"],
+                       "w_own_logit": 0.0}, 5),
+    "no-feature-term": ({"w_feat": 0.0}, 3),
+    "no-cross-head-term": ({"w_logit": 0.0}, 3),
 }
 
 
@@ -67,10 +80,12 @@ def main() -> None:
         cache_teacher(args.run / "teacher", examples, cache,
                       CacheTeacherSettings(splits=("train", "validation"), max_examples=settings["student_max_train"]))
     base = DistillRecipe(student=settings["student"], shrink=settings["student_shrink"], kd_over=settings["kd_over"],
-                         max_train=settings["student_max_train"], max_val=settings["max_val"])
+                         max_train=settings["student_max_train"], max_val=settings["max_val"],
+                         shuffle_block=0)  # the order these runs were made with: 512 examples (< a block) are fully shuffled either way
     train = {"epochs": settings["student_epochs"], "lr": settings["student_lr"], "batch_size": settings["batch_size"],
              "bf16": bool(settings["bf16"]), "progress": False}
     target = args.json or args.out / "c2kd_parts.json"
+    previous = json.loads(target.read_text()) if target.exists() else {}
     result: dict = {"settings": settings, "base": asdict(base), "train": train, "parts": {}, "tune": {}, "seeds": {}}
 
     for name, change in PARTS.items():  # 2. one change at a time, seed 0, validation only
@@ -83,14 +98,16 @@ def main() -> None:
     chosen = {}
     authors = replace(base, **PARTS["stage1-authors"])  # stage 1 at the authors' schedule under every trial
     for method in ("c2kd", "logit-kd"):  # 3. the same budget each, on validation
-        record = tune(cache, examples, args.out / "tune" / method, replace(authors, method=method),
-                      read_space(None, method), args.trials, {**train, "seed": 0}, progress=False)
+        # a search already in the result file is kept as measured (its record holds its space and base)
+        record = previous.get("tune", {}).get(method) or tune(
+            cache, examples, args.out / "tune" / method, replace(authors, method=method), read_space(None, method),
+            args.trials, {**train, "seed": 0}, progress=False)
         result["tune"][method] = record
         chosen[method] = record["chosen"]["recipe"]
         write_result(target, result)
 
-    rows = {"c2kd-tuned": DistillRecipe(**{**chosen["c2kd"], "router_layers": None}),
-            "logit-kd-tuned": DistillRecipe(**{**chosen["logit-kd"], "router_layers": None}),
+    rows = {"c2kd-tuned": DistillRecipe(**{**chosen["c2kd"], "router_layers": None, "shuffle_block": 0}),
+            "logit-kd-tuned": DistillRecipe(**{**chosen["logit-kd"], "router_layers": None, "shuffle_block": 0}),
             "sft": replace(base, method="sft", kd_over="vocab"), "c2kd-paper": base}
     predictions: dict[str, dict[int, Path]] = {}
     for name, recipe in rows.items():  # 4. test, per seed
@@ -100,15 +117,29 @@ def main() -> None:
         predictions[name] = {s: args.out / "seeds" / name / f"s{s}" / PREDICTIONS_FILE for s in seeds}
         result["seeds"][name] = {"recipe": asdict(recipe),
                                  "test_HR@1": {s: r["metrics"]["test"]["candidates"]["HR@1"] for s, r in runs.items()}}
-    comparisons = {}
+    default = replace(base, **recipe_preset("default", "c2kd"))
+    for name, (change, most) in TERMS.items():  # 5. the default's terms, one out at a time
+        recipe = replace(default, **change)
+        seeds = range(min(most, args.seeds))
+        runs = {s: distill(cache, examples, args.out / "terms" / name / f"s{s}", recipe, {**train, "seed": s})
+                for s in seeds}
+        predictions[name] = {s: args.out / "terms" / name / f"s{s}" / PREDICTIONS_FILE for s in seeds}
+        result["seeds"][name] = {"recipe": asdict(recipe), "change": change,
+                                 "test_HR@1": {s: r["metrics"]["test"]["candidates"]["HR@1"] for s, r in runs.items()},
+                                 "diagnostics_s0": runs[0]["diagnostics"]}
+        write_result(target, result)
+    comparisons: dict[str, dict] = {"test": {}, "validation": {}}  # validation: what a choice may read
     for a, b in (("c2kd-tuned", "logit-kd-tuned"), ("c2kd-tuned", "sft"), ("c2kd-tuned", "c2kd-paper"),
-                 ("logit-kd-tuned", "sft")):
+                 ("logit-kd-tuned", "sft"), ("c2kd-default", "c2kd-tuned"), ("c2kd-default", "logit-kd-tuned"),
+                 ("c2kd-default", "own-head-only"), ("c2kd-default", "no-feature-term"),
+                 ("c2kd-default", "no-cross-head-term"), ("own-head-only", "logit-kd-tuned")):
         seeds = sorted(set(predictions[a]) & set(predictions[b]))
-        c = paired_comparison({s: predictions[a][s] for s in seeds}, {s: predictions[b][s] for s in seeds},
-                              name_a=a, name_b=b, split="test")
-        comparisons[f"{a} vs {b}"] = {**asdict(c), "line": str(c)}
-        print(c)
-    result["comparisons"] = comparisons
+        for split in comparisons:
+            c = paired_comparison({s: predictions[a][s] for s in seeds}, {s: predictions[b][s] for s in seeds},
+                                  name_a=a, name_b=b, split=split)
+            comparisons[split][f"{a} vs {b}"] = {**asdict(c), "line": str(c)}
+            print(f"{split}: {c}")
+    result["comparisons"], result["comparisons_validation"] = comparisons["test"], comparisons["validation"]
     write_result(target, result)
 
 
