@@ -2,22 +2,23 @@
 
 The uncapped ML-100k train split (95,285 examples, 20x the 4,715 of the capped benchmark) through
 a random-weight teacher (tiny-teacher, or --teacher-shape WIDTH,LAYERS,HEADS,INTER for real bytes
-per token), cached at 1x, 5x and 20x. Each step runs in a fresh process, one at a time:
+per token), cached at 1x, 5x and 20x (--scales). Each step runs in a fresh process, one at a time:
 
-- stage one per cache: examples/s over the run and the process's peak RSS;
-- `cache verify` of the 20x cache: seconds per GB;
+- stage one per cache: examples/s over the run and the process's peak RSS, and ÷ the teacher's
+  bare forward over the 1x examples in stage one's batches (a separate process, run after them);
+- `cache verify` of the largest cache: seconds per GB;
 - stage two (`distill --method c2kd --max-steps S`, tiny-student): the median examples/s of the
   logged steps of each stage, stage two's examples over its wall seconds (waits for the reader
   included) and the peak RSS, for each cache with the default shard-aware order
-  and for the 20x cache with one full shuffle (--shuffle-block 0, the order before it existed),
+  and for the largest cache with one full shuffle (--shuffle-block 0, the order before it existed),
   in --rounds interleaved rounds (load changes on a shared machine hit every variant);
-- the reader alone (CacheBatches over the 1x and the 20x cache, C2KD's reads, both orders at 20x)
+- the reader alone (CacheBatches over the 1x and the largest cache, C2KD's reads, both orders at the largest)
   against the student's rate;
 - entries per folder, and by the plan's arithmetic for 1M examples.
 
 Every step resumes (a finished cache or run is kept; the JSON holds what is measured so far):
 
-    python benchmarks/cache_scale.py --out runs/bench/cache_scale [--teacher-shape 576,4,9,1536] [--rounds 2]
+    python benchmarks/cache_scale.py --out runs/bench/cache_scale [--teacher-shape 576,4,9,1536] [--rounds 2] [--scales 1,5,20]
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ if __package__ in (None, ""):  # run as a file: the repository root, for `benchm
 from benchmarks.common import ROOT, write_result  # noqa: E402
 
 BASE_EXAMPLES = 4715  # the capped benchmark's train split (ML-100k, 5 windows per user)
-SCALES = (1, 5, 20)
 EXAMPLES_PER_SHARD = 256  # cache-teacher's default
 HUB_FOLDER_LIMIT = 10_000  # entries per folder the Hugging Face Hub asks to stay under
 
@@ -100,6 +100,30 @@ start = time.perf_counter()
 cache_teacher(teacher, examples, out, CacheTeacherSettings(splits=("train",), progress=False))
 seconds = time.perf_counter() - start
 RESULT = {"examples": len(train), "seconds": seconds, "examples_per_s": len(train) / seconds}
+"""
+
+BARE = """
+import sys, time
+from dataclasses import replace
+import torch
+from benchmarks.stage_one import time_bare
+from c2kd.cache_schema import plan_shards
+from c2kd.data.examples import load_examples
+from c2kd.pipeline.cache_teacher import CacheTeacherSettings, TeacherRunner, build_spec, rows_by_id
+from c2kd.recmodel.model import RecLM
+from c2kd.recmodel.prompts import PromptEncoder
+from pathlib import Path
+data, teacher, n = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
+examples = load_examples(data)
+examples = replace(examples, splits={**examples.splits, "train": examples.split("train").head(n)})
+model = RecLM.load(teacher).eval()
+encoder = PromptEncoder(model.tokenizer, model.spec.format, examples.titles())
+settings = CacheTeacherSettings(splits=("train",), progress=False)
+spec = build_spec(model, examples, teacher, settings, encoder.pad_id)
+plan = plan_shards({"train": examples.split("train")["example_id"].to_list()}, spec.examples_per_shard)
+runner = TeacherRunner(model, encoder, spec, torch.device("cpu"), settings.max_tokens_per_batch)
+seconds, _ = time_bare(runner, plan, rows_by_id(examples, ("train",)))
+RESULT = {"examples": n, "seconds": seconds, "examples_per_s": n / seconds}
 """
 
 STAGE_TWO = """
@@ -219,6 +243,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--reader-batches", type=int, default=200)
+    p.add_argument("--scales", default="1,5,20", help="cache sizes in multiples of --base, comma-separated (1 first)")
     p.add_argument("--base", type=int, default=BASE_EXAMPLES, help="examples of the 1x cache (smaller: a quick check)")
     p.add_argument("--stage-one-only", action="store_true", help="stop after the caches and their verification")
     p.add_argument("--s3", action="store_true", help="also: distill from the 5x cache pushed to an S3 server (moto)")
@@ -231,9 +256,13 @@ def main() -> None:
     result["teacher"], result["base_examples"] = args.teacher_shape or "tiny-teacher", args.base
     data, teacher = prepare_inputs(args.out, args.teacher_shape)
     total = len(load_examples(data).split("train"))
+    scales = sorted(int(x) for x in args.scales.split(","))
+    if scales[0] != 1:
+        raise SystemExit(f"--scales {args.scales}: the ratios are to the 1x cache; include 1")
+    top = scales[-1]  # the largest cache: verified, read in both orders
 
     caches = {}
-    for scale in SCALES:  # stage one, smallest first
+    for scale in scales:  # stage one, smallest first
         n = min(args.base * scale, total)
         caches[scale] = args.out / f"cache-{scale}x"
         if f"{scale}x" not in result["stage_one"]:
@@ -245,17 +274,25 @@ def main() -> None:
             write_result(target, result)
         print(f"stage one {scale}x: {result['stage_one'][f'{scale}x']}")
 
-    if "verify" not in result:
+    if "bare_forward" not in result:  # the teacher's forward alone over the 1x examples, in stage one's batches
+        result["bare_forward"] = child(BARE, str(data), str(teacher), str(min(args.base, total)))
+        write_result(target, result)
+    for scale in scales:
+        result["stage_one"][f"{scale}x"]["writer_over_bare_forward"] = (
+            result["stage_one"][f"{scale}x"]["examples_per_s"] / result["bare_forward"]["examples_per_s"])
+
+    if "verify" not in result or result["verify"].get("cache", "20x") != f"{top}x":
         start = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "c2kd.cli", "cache", "verify", str(caches[20])], check=True,
+        subprocess.run([sys.executable, "-m", "c2kd.cli", "cache", "verify", str(caches[top])], check=True,
                        capture_output=True, cwd=ROOT)
         seconds = time.perf_counter() - start
-        result["verify"] = {"seconds": seconds, "seconds_per_gb": seconds / (result["stage_one"]["20x"]["bytes"] / 1e9)}
+        result["verify"] = {"cache": f"{top}x", "seconds": seconds,
+                            "seconds_per_gb": seconds / (result["stage_one"][f"{top}x"]["bytes"] / 1e9)}
         write_result(target, result)
 
     if args.stage_one_only:
         return
-    variants = {f"{s}x": (caches[s], 4096) for s in SCALES} | {"20x-full-shuffle": (caches[20], 0)}
+    variants = {f"{s}x": (caches[s], 4096) for s in scales} | {f"{top}x-full-shuffle": (caches[top], 0)}
     for r in range(args.rounds):  # interleaved rounds
         for name, (cache, block) in variants.items():
             key = f"round{r}"
@@ -282,7 +319,7 @@ def main() -> None:
     for name in variants:
         summary[name] |= {f"{f}_vs_1x": summary[name][f] / summary["1x"][f] for f in fields}
     result["summary"] = summary
-    readers = {"1x": (caches[1], 4096), "20x": (caches[20], 4096), "20x-full-shuffle": (caches[20], 0)}
+    readers = {"1x": (caches[1], 4096), f"{top}x": (caches[top], 4096), f"{top}x-full-shuffle": (caches[top], 0)}
     for r in range(args.rounds):  # the reader alone (C2KD's reads, no student), interleaved rounds
         for name, (cache, block) in readers.items():
             if f"round{r}" not in result.setdefault("readers", {}).setdefault(name, {}):
@@ -294,10 +331,10 @@ def main() -> None:
         result["reader"][name]["vs_student_step"] = (result["reader"][name]["examples_per_s"]
                                                      / summary[name]["stage2_examples_per_s"])
     if args.s3 and "s3" not in result:
-        result["s3"] = s3_stream(args, caches[5], data)
+        result["s3"] = s3_stream(args, caches[5], data)  # needs 5 in --scales
         write_result(target, result)
     shards_1m = math.ceil(1_000_000 / EXAMPLES_PER_SHARD)
-    result["files_per_folder"] = {"measured_20x": result["stage_one"]["20x"]["most_entries"],
+    result["files_per_folder"] = {f"measured_{top}x": result["stage_one"][f"{top}x"]["most_entries"],
                                   "shards_folder_at_1M_examples": shards_1m, "hub_limit": HUB_FOLDER_LIMIT,
                                   "examples_before_limit": HUB_FOLDER_LIMIT * EXAMPLES_PER_SHARD}
     write_result(target, result)
