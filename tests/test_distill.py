@@ -525,23 +525,37 @@ def test_ddp_two_ranks_each_read_their_part(caches, examples, tmp_path):
 # ---------------------------------------------------------------- the batch source
 
 
-def test_decoded_shards_give_the_same_batches_and_stay_bounded(caches):
+def test_decoded_shards_give_the_same_batches_and_stay_bounded(caches, monkeypatch):
+    import platform
+
+    import c2kd.cache_schema.reader as reader
+    from c2kd.heap import trim
+
+    assert trim() == (platform.libc_ver()[0] == "glibc")  # a no-op only where there is no malloc_trim
+    trims = []
+    monkeypatch.setattr(reader, "trim", lambda: trims.append(1))
     cache = TeacherCache.open(caches("all", "bfloat16"))
     ids = cache.split_ids("train")
     groups = [np.random.default_rng(s).choice(ids, 24, replace=False) for s in range(6)]
     plain = [cache.get(g) for g in groups]
     cache.keep_decoded(2)
     for g, expected in zip(groups, plain):
-        got = cache.get(g)
+        got = cache.get(g, whole_shards=True)
         assert torch.equal(got.input_ids, expected.input_ids) and torch.equal(got.labels, expected.labels)
         assert all(torch.equal(got.outputs[k], expected.outputs[k]) for k in expected.outputs)
         assert 0 < len(cache._decoded) <= 2
+    assert trims  # dropped shards' pages are handed back, or RSS would grow with the cache
+    # a read that does not ask for whole shards (a held-out subset, spread thin) decodes none
+    cache.keep_decoded(0), cache.keep_decoded(2)
+    cache.get(groups[0])
+    assert len(cache._decoded) == 0
     # CacheBatches keeps a block's shards decoded when its examples fill their shards; none for sparse subsets
     dense = CacheBatches(cache, ids, batch_size=8, seed=0, block=64, layers=cache.spec.layers)
     in_use = len(set(dense.shards.tolist()))
     assert cache._decoded_capacity == min(in_use, int(np.ceil(64 / (len(ids) / in_use))) + 2) > 0
-    CacheBatches(cache, ids[::16], batch_size=8, seed=0, block=64, layers=cache.spec.layers)
-    assert cache._decoded_capacity == 0
+    assert dense.whole_shards
+    sparse = CacheBatches(cache, ids[::16], batch_size=8, seed=0, block=64, layers=cache.spec.layers)
+    assert cache._decoded_capacity == 0 and not sparse.whole_shards
 
 
 def test_cache_batches_follow_the_trainer_order_and_resume_by_position(caches):

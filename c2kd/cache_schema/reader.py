@@ -36,6 +36,7 @@ from c2kd.cache_schema.expect import CacheExpectation, check_expectation
 from c2kd.cache_schema.storage import CacheLocation
 from c2kd.cache_schema.zarr_io import open_array, read_rows
 from c2kd.errors import CacheError
+from c2kd.heap import trim
 
 _DECODE_ERRORS = (ValueError, RuntimeError, OSError, KeyError)
 
@@ -145,8 +146,9 @@ class TeacherCache:
         shards' arrays as read, e.g. 17 shards for CacheBatches' 4,096-example blocks."""
         with self._decoded_lock:
             self._decoded_capacity = max(0, int(shards))
-            while len(self._decoded) > self._decoded_capacity:
-                self._decoded.popitem(last=False)
+            dropped = self._drop_decoded()
+        if dropped:
+            trim()
 
     # --- metadata -----------------------------------------------------------------------------
     @property
@@ -296,9 +298,10 @@ class TeacherCache:
             raise CacheError(f"{self.location}/{S.shard_path(shard)}: array {name} is corrupted ({e}); "
                              "run `c2kd cache verify`") from e
 
-    def _fetch(self, shard: int, name: str, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """The rows [offset, offset + length) of each example, concatenated."""
-        if self._decoded_capacity:
+    def _fetch(self, shard: int, name: str, offsets: np.ndarray, lengths: np.ndarray, whole: bool) -> np.ndarray:
+        """The rows [offset, offset + length) of each example, concatenated; `whole`: from the shard's
+        array decoded whole and kept (get_batches' whole_shards)."""
+        if whole and self._decoded_capacity:
             return self._decoded_array(shard, name)[_concat_ranges(offsets, lengths)]
         arr = self._array(shard, name)
         total = int(lengths.sum())
@@ -327,9 +330,18 @@ class TeacherCache:
             arrays = self._decoded.setdefault(shard, {})
             arrays[name] = data
             self._decoded.move_to_end(shard)
-            while len(self._decoded) > self._decoded_capacity:
-                self._decoded.popitem(last=False)
+            dropped = self._drop_decoded()
+        if dropped:  # a shard's arrays freed: give their pages back, or RSS grows with the cache (c2kd.heap)
+            trim()
         return data
+
+    def _drop_decoded(self) -> int:
+        """Drop the oldest decoded shards beyond the capacity (the lock held); how many."""
+        dropped = 0
+        while len(self._decoded) > self._decoded_capacity:
+            self._decoded.popitem(last=False)
+            dropped += 1
+        return dropped
 
     def get(
         self,
@@ -338,9 +350,11 @@ class TeacherCache:
         layers: Sequence[int] | None = None,
         final_hidden: bool = True,
         logits: bool = True,
+        whole_shards: bool = False,
     ) -> CachedBatch:
         """The cached tensors of these examples, in this order (see CachedBatch for the shapes)."""
-        return self.get_batches([example_ids], layers=layers, final_hidden=final_hidden, logits=logits)[0]
+        return self.get_batches([example_ids], layers=layers, final_hidden=final_hidden, logits=logits,
+                                whole_shards=whole_shards)[0]
 
     def get_batches(
         self,
@@ -349,10 +363,15 @@ class TeacherCache:
         layers: Sequence[int] | None = None,
         final_hidden: bool = True,
         logits: bool = True,
+        whole_shards: bool = False,
     ) -> list[CachedBatch]:
         """One CachedBatch per group of example ids, each padded to its own longest example, read
         together: a read costs about the same for 16 or 128 examples (the cost is per shard and
-        array touched), so a caller wanting several batches asks for them at once."""
+        array touched), so a caller wanting several batches asks for them at once.
+
+        `whole_shards`: decode each touched shard's arrays whole and keep the last `keep_decoded`
+        shards (for an order that comes back to a shard over several reads); otherwise only the
+        chunks these examples lie in are read, and a sparse read (a held-out subset) stays cheap."""
         spec = self.spec
         layers = spec.layers if layers is None else tuple(int(x) for x in layers)
         lacking = sorted(set(layers) - set(spec.layers))
@@ -363,7 +382,7 @@ class TeacherCache:
         ids = np.concatenate(ids_per_group) if ids_per_group else np.zeros(0, dtype=np.int64)
         rows = self._rows(ids)
         names = [S.INPUT_IDS, S.SLOT_ITEMS, S.LABELS, S.ANSWER_POSITIONS, *self._output_names(layers, final_hidden, logits)]
-        per_example = self._read_examples(rows, names)
+        per_example = self._read_examples(rows, names, whole_shards)
         out, start = [], 0
         for g in ids_per_group:
             out.append(self._batch(g, rows[start : start + len(g)], {n: v[start : start + len(g)] for n, v in per_example.items()}))
@@ -380,7 +399,7 @@ class TeacherCache:
             hidden = [n for name in hidden for n in (name, self._defs[name].scale)]
         return hidden + others
 
-    def _read_examples(self, rows: np.ndarray, names: Sequence[str]) -> dict[str, list[np.ndarray]]:
+    def _read_examples(self, rows: np.ndarray, names: Sequence[str], whole: bool) -> dict[str, list[np.ndarray]]:
         """For each array name, each example's rows (in the order of `rows`), read shard by shard."""
         c = self._col
         out: dict[str, list] = {name: [None] * len(rows) for name in names}
@@ -392,7 +411,7 @@ class TeacherCache:
                 kind = self.layout[name]["rows"]
                 offsets, lengths = (c["token_offset"][r], c["token_length"][r]) if kind == "tokens" else \
                     (c["answer_offset"][r], c["answer_length"][r])
-                data = self._fetch(int(shard), name, offsets, lengths)
+                data = self._fetch(int(shard), name, offsets, lengths, whole)
                 start = 0
                 for j, n in zip(js, lengths):
                     out[name][j] = data[start : start + n]

@@ -37,6 +37,7 @@ class CacheBatches:
         self.shards, self.block = cache.shards_of(self.example_ids), block
         self.get_kwargs = get_kwargs
         self.num_examples = len(self.example_ids)
+        self.whole_shards = self._decoded_shards() > 0
         cache.keep_decoded(self._decoded_shards())
         self.rank, self.world = distributed.dist_env()[:2]
 
@@ -67,7 +68,8 @@ class CacheBatches:
             pending: deque = deque()
             try:
                 for g in groups:
-                    pending.append(pool.submit(self.cache.get_batches, g, **self.get_kwargs))
+                    pending.append(pool.submit(self.cache.get_batches, g, whole_shards=self.whole_shards,
+                                               **self.get_kwargs))
                     if len(pending) > self.ahead:
                         yield from pending.popleft().result()
                 while pending:
