@@ -96,6 +96,21 @@ def test_without_a_validation_split_stage1_holds_out_train_examples(train_only_c
     assert record["data"]["train_examples"] == train  # stage 2 trains on all of them
 
 
+def test_stage1_holds_out_a_share_of_train_but_never_more_than_its_cap():
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from c2kd.student.distill import STAGE1_HOLDOUT_MAX, _stage1_split
+
+    train_only = SimpleNamespace(spec=SimpleNamespace(splits=("train",)))
+    for n, held in ((1_000, 100), (100_000, STAGE1_HOLDOUT_MAX)):  # 10 % of 100,000 would be read every epoch
+        ids = np.arange(7, 7 + n)
+        fit, judge = _stage1_split(DistillRecipe(), train_only, ids)
+        assert len(judge) == held and len(fit) == n - held
+        assert np.array_equal(np.sort(np.concatenate([fit, judge])), ids)
+
+
 def test_lens_init_starts_each_probe_as_the_teachers_head(cache, teacher_dir, examples):
     opened = TeacherCache.open(cache)
     recipe = DistillRecipe(student=str(teacher_dir), shrink="first:2", filter_init="lens", kd_over="items")
