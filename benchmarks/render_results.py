@@ -486,6 +486,24 @@ def readme_rows(results: Path) -> list[list[str]]:
                      f"{cell(seeds['c2kd-paper'])}; C2KD − logit KD per user {vs['diff']:+.4f} "
                      f"(95 % CI {vs['ci_low']:+.4f} … {vs['ci_high']:+.4f}, McNemar p = {vs['p_value']:.2g})",
                      link("c2kd_parts/demo.json", "c2kd_parts/demo.json")])
+    if "c2kd-default vs own-head-only" in parts.get("comparisons", {}):
+        cmp = parts["comparisons"]
+
+        def vs_line(key: str, text: str) -> str:
+            c = cmp[key]
+            return (f"{text} {c['diff']:+.4f} (95 % CI {c['ci_low']:+.4f} … {c['ci_high']:+.4f}, p = {c['p_value']:.2g}, "
+                    f"{len(c['seeds'])} seeds)")
+
+        rows.append(["Which of the default C2KD recipe's terms carry its gain (the demo's pair; each term taken out, "
+                     "per user against the default on test)",
+                     f"the default (rounded weights) {cell(seeds['c2kd-default'])}; own-head term only (= logit KD at w 8) "
+                     f"{cell(seeds['own-head-only'])}, no feature term {cell(seeds['no-feature-term'])}, no cross-head term "
+                     f"{cell(seeds['no-cross-head-term'])}; "
+                     + "; ".join((vs_line("c2kd-default vs own-head-only", "default − own head only"),
+                                  vs_line("c2kd-default vs no-feature-term", "default − no feature term"),
+                                  vs_line("c2kd-default vs no-cross-head-term", "default − no cross-head term"),
+                                  vs_line("c2kd-default vs logit-kd-tuned", "default − tuned logit KD"))),
+                     link("c2kd_parts/demo.json", "c2kd_parts/demo.json")])
     dtype = _load(results, "cache_dtype/result.json")
     scale = _load(results, "cache_scale/tiny.json")
     summary = scale["summary"]
@@ -497,6 +515,20 @@ def readme_rows(results: Path) -> list[list[str]]:
                  f"{num(scale['stage_one']['20x']['examples_per_s'])} examples/s; two torchrun nodes + `cache merge` = "
                  "the one-process cache, shard by shard (tested)",
                  ", ".join((link("cache_dtype/result.json", "cache_dtype"), link("cache_scale/tiny.json", "cache_scale")))])
+    if (results / "cache_scale/smollm2-width.json").exists():
+        wide = _load(results, "cache_scale/smollm2-width.json")
+        if "reader" in wide:  # the whole run measured
+            top = max(wide["stage_one"], key=lambda k: int(k.removesuffix("x")))
+            s, r, one = wide["summary"][top], wide["reader"][top], wide["stage_one"]
+            rows.append([f"Caches at SmolLM2's width (a random 576-wide, 4-layer teacher; 1× → {top}: "
+                         f"{num(one[top]['examples'])} examples, {num(one[top]['bytes'] / 1e9)} GB; student: "
+                         f"{wide.get('student', 'tiny-student')})",
+                         f"stage two at {top} ÷ 1×: examples/s over the run {num(s['stage2_wall_examples_per_s_vs_1x'])}, "
+                         f"peak RSS {num(s['peak_rss_mib_vs_1x'])}; reader ÷ student step {num(r['vs_student_step'])}; "
+                         f"stage one {num(one['1x']['examples_per_s'])} → {num(one[top]['examples_per_s'])} examples/s, "
+                         f"writer ÷ bare forward {num(one[top]['writer_over_bare_forward'])}; `cache verify` "
+                         f"{num(wide['verify']['seconds_per_gb'])} s/GB",
+                         link("cache_scale/smollm2-width.json", "cache_scale/smollm2-width.json")])
     s1 = _load(results, "stage_one/default.json")["results"]["SmolLM2-135M"]
     rows.append(["Cache size, SmolLM2-135M teacher (bf16, zstd, exact logits)",
                  f"{num(s1['bytes_per_token_all_positions_exact_bf16']['zstd'])} B/token with 4 layers at every position, "
