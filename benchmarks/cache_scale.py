@@ -7,18 +7,20 @@ per token), cached at 1x, 5x and 20x (--scales). Each step runs in a fresh proce
 - stage one per cache: examples/s over the run and the process's peak RSS, and ÷ the teacher's
   bare forward over the 1x examples in stage one's batches (a separate process, run after them);
 - `cache verify` of the largest cache: seconds per GB;
-- stage two (`distill --method c2kd --max-steps S`, tiny-student): the median examples/s of the
-  logged steps of each stage, stage two's examples over its wall seconds (waits for the reader
-  included) and the peak RSS, for each cache with the default shard-aware order
-  and for the largest cache with one full shuffle (--shuffle-block 0, the order before it existed),
-  in --rounds interleaved rounds (load changes on a shared machine hit every variant);
-- the reader alone (CacheBatches over the 1x and the largest cache, C2KD's reads, both orders at the largest)
-  against the student's rate;
+- stage two (`distill --method c2kd --max-steps S`; --student tiny-student, or `teacher:first:K`,
+  the teacher's first K layers at its width): the median examples/s of the logged steps of each
+  stage, stage two's examples over its wall seconds (waits for the reader included) and the peak
+  RSS, for each cache with the default shard-aware order and for the largest cache with one full
+  shuffle (--shuffle-block 0, the order before it existed), in --rounds interleaved rounds (load
+  changes on a shared machine hit every variant);
+- the reader alone (CacheBatches over the 1x and the largest cache, C2KD's reads, both orders at
+  the largest; shards decoded as they come) against the student's rate;
 - entries per folder, and by the plan's arithmetic for 1M examples.
 
 Every step resumes (a finished cache or run is kept; the JSON holds what is measured so far):
 
     python benchmarks/cache_scale.py --out runs/bench/cache_scale [--teacher-shape 576,4,9,1536] [--rounds 2] [--scales 1,5,20]
+        [--student teacher:first:2]
 """
 
 from __future__ import annotations
@@ -127,13 +129,14 @@ RESULT = {"examples": n, "seconds": seconds, "examples_per_s": n / seconds}
 """
 
 STAGE_TWO = """
-import sys
+import json, sys
 from pathlib import Path
 from benchmarks.cache_scale import step_rate, wall_rate
 from c2kd.student.distill import DistillRecipe, distill
 cache, data, out, steps, block = sys.argv[1], sys.argv[2], Path(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-read_cache = sys.argv[6] if len(sys.argv) > 6 else None
-recipe = DistillRecipe(student="tiny-student", max_val=50, shuffle_block=block)
+student = json.loads(sys.argv[6])
+read_cache = sys.argv[7] if len(sys.argv) > 7 else None
+recipe = DistillRecipe(max_val=50, shuffle_block=block, **student)
 distill(cache, data, out, recipe, {"max_steps": steps, "log_every": 1, "progress": False, "checkpoint_every": 0},
         final_splits=("validation",), read_cache=read_cache)
 RESULT = {"stage1_examples_per_s": step_rate(out / "stage1_log.jsonl"), "stage2_examples_per_s": step_rate(out / "log.jsonl"),
@@ -177,7 +180,7 @@ def wall_rate(log: Path) -> float | None:
     return len(rates) / sum(1 / r for r in rates) if rates else None
 
 
-def s3_stream(args: argparse.Namespace, cache: Path, data: Path) -> dict:
+def s3_stream(args: argparse.Namespace, cache: Path, data: Path, student: str) -> dict:
     """Stage two from the cache pushed to s3:// (a moto server on 127.0.0.1) through a fresh read
     cache, beside the same run from the local folder, in --rounds interleaved rounds: examples/s
     of each, and the bytes the read cache holds afterwards (each file is fetched whole, once) ÷ the
@@ -213,7 +216,7 @@ def s3_stream(args: argparse.Namespace, cache: Path, data: Path) -> dict:
                 if name == "s3":
                     shutil.rmtree(read_cache, ignore_errors=True)
                 extra = [str(read_cache)] if name == "s3" else []
-                measured = child(STAGE_TWO, source, str(data), str(run), str(args.steps), "4096", *extra)
+                measured = child(STAGE_TWO, source, str(data), str(run), str(args.steps), "4096", student, *extra)
                 if name == "s3":
                     measured["fetched_bytes"] = sum(f.stat().st_size for f in read_cache.rglob("*") if f.is_file())
                     measured["fetched_over_cache_size"] = measured["fetched_bytes"] / size
@@ -230,6 +233,14 @@ def s3_stream(args: argparse.Namespace, cache: Path, data: Path) -> dict:
             "fetched_over_cache_size": max(m["fetched_over_cache_size"] for m in rounds["s3"])}
 
 
+def student_fields(name: str, teacher: Path) -> dict:
+    """The DistillRecipe fields of --student: a preset, or `teacher:first:K` for a student of the
+    teacher's width (its tokenizer, its first K layers) — what a real student reads against."""
+    if name.startswith("teacher:"):
+        return {"student": str(teacher), "shrink": name.removeprefix("teacher:")}
+    return {"student": name}
+
+
 def folder_entries(cache: Path) -> dict:
     """The most entries in any folder of the cache."""
     entries, folder = max((len(names) + len(files), d) for d, names, files in os.walk(cache))
@@ -241,6 +252,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--teacher-shape", default=None, help="WIDTH,LAYERS,HEADS,INTER of a random llama teacher")
     p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--student", default="tiny-student",
+                   help="stage two's student: a preset, or 'teacher:first:K' (the teacher's first K layers, its width)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--reader-batches", type=int, default=200)
     p.add_argument("--scales", default="1,5,20", help="cache sizes in multiples of --base, comma-separated (1 first)")
@@ -255,6 +268,11 @@ def main() -> None:
     result.setdefault("stage_one", {}), result.setdefault("stage_two", {})
     result["teacher"], result["base_examples"] = args.teacher_shape or "tiny-teacher", args.base
     data, teacher = prepare_inputs(args.out, args.teacher_shape)
+    if result.get("stage_two") and result.get("student", "tiny-student") != args.student:
+        raise SystemExit(f"{target}: its stage-two runs are of --student {result.get('student', 'tiny-student')}; "
+                         "use that, or another --json")
+    result["student"] = args.student
+    student = json.dumps(student_fields(args.student, teacher))
     total = len(load_examples(data).split("train"))
     scales = sorted(int(x) for x in args.scales.split(","))
     if scales[0] != 1:
@@ -300,7 +318,7 @@ def main() -> None:
                 continue
             run = args.out / "runs" / f"{name}-r{r}"
             shutil.rmtree(run, ignore_errors=True)
-            measured = child(STAGE_TWO, str(cache), str(data), str(run), str(args.steps), str(block))
+            measured = child(STAGE_TWO, str(cache), str(data), str(run), str(args.steps), str(block), student)
             result["stage_two"].setdefault(name, {})[key] = measured
             write_result(target, result)
             print(f"stage two {name} round {r}: {measured}")
@@ -331,7 +349,7 @@ def main() -> None:
         result["reader"][name]["vs_student_step"] = (result["reader"][name]["examples_per_s"]
                                                      / summary[name]["stage2_examples_per_s"])
     if args.s3 and "s3" not in result:
-        result["s3"] = s3_stream(args, caches[5], data)  # needs 5 in --scales
+        result["s3"] = s3_stream(args, caches[5], data, student)  # needs 5 in --scales
         write_result(target, result)
     shards_1m = math.ceil(1_000_000 / EXAMPLES_PER_SHARD)
     result["files_per_folder"] = {f"measured_{top}x": result["stage_one"][f"{top}x"]["most_entries"],
