@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "c2kd"
 # Bottom up. A room is a sub-package (`data`) or a top-level module (`training`); `c2kd` is the
 # package's own `__init__`.
 LAYERS: list[tuple[str, ...]] = [
-    ("c2kd", "errors", "hardware"),                     # leaves
+    ("c2kd", "errors", "hardware", "heap"),             # leaves
     ("atomic", "distributed", "cli_util"),              # files, processes, option parsing
     ("metrics", "training", "run_folder"),              # the training loop and its run folder
     ("cache_schema", "data", "recmodel", "predictions"),  # the cache format, the examples, the LM, per-example results
