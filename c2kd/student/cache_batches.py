@@ -37,8 +37,9 @@ class CacheBatches:
         self.shards, self.block = cache.shards_of(self.example_ids), block
         self.get_kwargs = get_kwargs
         self.num_examples = len(self.example_ids)
-        self.whole_shards = self._decoded_shards() > 0
-        cache.keep_decoded(self._decoded_shards())
+        decoded = self._decoded_shards()
+        self.whole_shards = decoded > 0
+        cache.keep_decoded(decoded)
         self.rank, self.world = distributed.dist_env()[:2]
 
     def _decoded_shards(self) -> int:
