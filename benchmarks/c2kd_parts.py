@@ -17,9 +17,12 @@ student (the teacher's first 2 layers, 3 epochs on 512 cached examples, logit lo
    the default on test, to show which of its terms the gain over tuned logit KD comes from.
 
 Every step resumes (each student is a distill run folder); the result JSON holds what each step
-measured. Usage:
+measured. `--steps` and `--rows` run part of it (e.g. on another family's demo run: the shipped
+defaults against the student alone, no search); the comparisons are those whose two rows ran. Usage:
 
     python benchmarks/c2kd_parts.py --run runs/demo-base --out runs/bench/c2kd_parts [--trials 10] [--seeds 5]
+    python benchmarks/c2kd_parts.py --run runs/demo-gemma --out runs/bench/c2kd_parts_gemma \
+        --steps test --rows sft,c2kd-default,own-head-only
 """
 
 from __future__ import annotations
@@ -62,6 +65,16 @@ TERMS = {
     "no-cross-head-term": ({"w_logit": 0.0}, 3),
 }
 
+STEPS = ("parts", "tune", "test")
+ROWS = ("c2kd-tuned", "logit-kd-tuned", "sft", "c2kd-paper", *TERMS)
+
+
+def _subset(text: str, allowed: tuple[str, ...], flag: str) -> set[str]:
+    chosen = {x.strip() for x in text.split(",") if x.strip()}
+    if not chosen or chosen - set(allowed):
+        raise SystemExit(f"{flag} {text!r}: expected a comma list of {','.join(allowed)}")
+    return chosen
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -70,7 +83,10 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=10)
     p.add_argument("--seeds", type=int, default=5)
     p.add_argument("--json", type=Path, default=None, help="result file [default: OUT/c2kd_parts.json]")
+    p.add_argument("--steps", default=",".join(STEPS), help=f"steps to run, of {','.join(STEPS)} (test: 4 and 5)")
+    p.add_argument("--rows", default=None, help=f"test rows to train [default: all], of {','.join(ROWS)}")
     args = p.parse_args()
+    steps, rows_wanted = _subset(args.steps, STEPS, "--steps"), _subset(args.rows or ",".join(ROWS), ROWS, "--rows")
     results = args.run / "results.json"  # a finished demo; else its default settings (float32 where no native bf16)
     settings = (json.loads(results.read_text())["settings"] if results.exists()
                 else {**asdict(DemoSettings()), "bf16": native_bf16()})
@@ -88,7 +104,7 @@ def main() -> None:
     previous = json.loads(target.read_text()) if target.exists() else {}
     result: dict = {"settings": settings, "base": asdict(base), "train": train, "parts": {}, "tune": {}, "seeds": {}}
 
-    for name, change in PARTS.items():  # 2. one change at a time, seed 0, validation only
+    for name, change in PARTS.items() if "parts" in steps else ():  # 2. one change at a time, seed 0, validation only
         record = distill(cache, examples, args.out / "parts" / name, replace(base, **change), {**train, "seed": 0},
                          final_splits=("validation",))
         result["parts"][name] = {"change": change, "validation": record["metrics"]["validation"]["candidates"],
@@ -97,7 +113,7 @@ def main() -> None:
 
     chosen = {}
     authors = replace(base, **PARTS["stage1-authors"])  # stage 1 at the authors' schedule under every trial
-    for method in ("c2kd", "logit-kd"):  # 3. the same budget each, on validation
+    for method in ("c2kd", "logit-kd") if "tune" in steps else ():  # 3. the same budget each, on validation
         # a search already in the result file is kept as measured (its record holds its space and base)
         record = previous.get("tune", {}).get(method) or tune(
             cache, examples, args.out / "tune" / method, replace(authors, method=method), read_space(None, method),
@@ -106,9 +122,9 @@ def main() -> None:
         chosen[method] = record["chosen"]["recipe"]
         write_result(target, result)
 
-    rows = {"c2kd-tuned": DistillRecipe(**{**chosen["c2kd"], "router_layers": None, "shuffle_block": 0}),
-            "logit-kd-tuned": DistillRecipe(**{**chosen["logit-kd"], "router_layers": None, "shuffle_block": 0}),
-            "sft": replace(base, method="sft", kd_over="vocab"), "c2kd-paper": base}
+    rows = {f"{m}-tuned": DistillRecipe(**{**chosen[m], "router_layers": None, "shuffle_block": 0}) for m in chosen}
+    rows.update({"sft": replace(base, method="sft", kd_over="vocab"), "c2kd-paper": base})
+    rows = {name: recipe for name, recipe in rows.items() if name in rows_wanted and "test" in steps}
     predictions: dict[str, dict[int, Path]] = {}
     for name, recipe in rows.items():  # 4. test, per seed
         seeds = range(args.seeds if name != "c2kd-paper" else min(3, args.seeds))
@@ -119,6 +135,8 @@ def main() -> None:
                                  "test_HR@1": {s: r["metrics"]["test"]["candidates"]["HR@1"] for s, r in runs.items()}}
     default = replace(base, **recipe_preset("default", "c2kd"))
     for name, (change, most) in TERMS.items():  # 5. the default's terms, one out at a time
+        if name not in rows_wanted or "test" not in steps:
+            continue
         recipe = replace(default, **change)
         seeds = range(min(most, args.seeds))
         runs = {s: distill(cache, examples, args.out / "terms" / name / f"s{s}", recipe, {**train, "seed": s})
@@ -132,8 +150,11 @@ def main() -> None:
     for a, b in (("c2kd-tuned", "logit-kd-tuned"), ("c2kd-tuned", "sft"), ("c2kd-tuned", "c2kd-paper"),
                  ("logit-kd-tuned", "sft"), ("c2kd-default", "c2kd-tuned"), ("c2kd-default", "logit-kd-tuned"),
                  ("c2kd-default", "own-head-only"), ("c2kd-default", "no-feature-term"),
-                 ("c2kd-default", "no-cross-head-term"), ("own-head-only", "logit-kd-tuned")):
-        seeds = sorted(set(predictions[a]) & set(predictions[b]))
+                 ("c2kd-default", "no-cross-head-term"), ("own-head-only", "logit-kd-tuned"),
+                 ("c2kd-default", "sft"), ("own-head-only", "sft")):
+        seeds = sorted(set(predictions.get(a, ())) & set(predictions.get(b, ())))
+        if not seeds:  # a row this run did not train
+            continue
         for split in comparisons:
             c = paired_comparison({s: predictions[a][s] for s in seeds}, {s: predictions[b][s] for s in seeds},
                                   name_a=a, name_b=b, split=split)

@@ -27,6 +27,7 @@ from c2kd.demo import DemoSettings
 from c2kd.deploy.export import export_ranker as _export_ranker
 from c2kd.finetune.teacher import LoraSettings, TeacherRecipe
 from c2kd.pipeline.cache_teacher import CacheTeacherSettings
+from c2kd.recmodel.pretrained import WHEEL_MODELS
 from c2kd.sasrec.train import SASRecTrainConfig, evaluate_sasrec as _evaluate_sasrec
 from c2kd.student.distill import DEFAULT_RECIPES, PAPER_RECIPE, DistillRecipe, distill as _distill, recipe_preset
 from c2kd.training import MAX_SEED, TrainConfig
@@ -787,6 +788,8 @@ def demo_command(
     teacher_epochs: int = _field(DemoSettings, "teacher_epochs", "--teacher-epochs", "Epochs of the teacher.", min=1),
     student_epochs: int = _field(DemoSettings, "student_epochs", "--student-epochs", "Epochs of each student.", min=1),
     max_train_per_user: int = _field(DemoSettings, "max_train_per_user", "--max-train-per-user", "Train windows per user (the most recent ones).", min=1),
+    family: str = _field(DemoSettings, "teacher", "--family", "Pretrained family of the teacher and the students: "
+                         "smollm2-135m or gemma3-270m (the students are its first 2 layers)."),
     bf16: Optional[bool] = typer.Option(None, "--bf16/--no-bf16", help="bfloat16 autocast for training and its "
                                         "validation (the table's test metrics stay float32). Default: on where the CPU "
                                         "has native bf16 (AMX or AVX512-BF16)."),
@@ -795,12 +798,14 @@ def demo_command(
     from c2kd.demo import run_demo
 
     with reporting_errors():
+        if family not in WHEEL_MODELS:
+            raise C2KDError(f"--family {family!r}: expected one of {', '.join(WHEEL_MODELS)}")
         if out is not None:
             if out.exists() and (not out.is_dir() or any(out.iterdir())):
                 raise C2KDError(f"--out {out}: exists and is not an empty folder; choose another --out")
             check_destination(out)
         run_demo(out, DemoSettings(seed=seed, teacher_epochs=teacher_epochs, student_epochs=student_epochs,
-                                   max_train_per_user=max_train_per_user, bf16=bf16))
+                                   max_train_per_user=max_train_per_user, teacher=family, student=family, bf16=bf16))
 
 
 def main(argv: list[str] | None = None) -> int:

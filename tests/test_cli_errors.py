@@ -277,6 +277,8 @@ CASES = [
          1, "totals.examples is"),
     Case("a complete: false edit", lambda e: ["cache", "verify", broken_cache(e, "complete", _edit_complete)], 1,
          "modified after the cache was sealed"),
+    Case("demo --family unknown", lambda e: ["demo", "--family", "llama-7b", "--out", f"{e['root']}/demo-x"], 1,
+         "--family 'llama-7b': expected one of smollm2-135m, gemma3-270m", "demo-x"),
 ]
 
 
