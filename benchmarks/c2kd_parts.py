@@ -8,9 +8,9 @@ student (the teacher's first 2 layers, 3 epochs on 512 cached examples, logit lo
 2. parts (seed 0; read on validation only): the paper's C2KD, then one change at a time — stage 1
    at the authors' schedule (3 epochs at 8e-4, best epoch on validation), filters started as a
    logit lens, the soft and probe routers, the last student layer;
-3. tune: `c2kd tune` for C2KD and for logit KD, the same number of trials each, on validation;
-4. seeds: the chosen C2KD, the tuned logit KD, the student alone and the paper's C2KD on the
-   test split, paired per user over seeds (c2kd.compare);
+3. tune: `c2kd tune` for C2KD, logit KD and feature KD, the same number of trials each, on validation;
+4. seeds: the chosen C2KD, the tuned logit KD, the student alone, the tuned feature KD and the paper's
+   C2KD on the test split, paired per user over seeds (c2kd.compare);
 5. terms: the shipped default (`--recipe default`, the chosen weights rounded) and the default with
    one C2KD term taken out at a time: the feature term, the cross-head term, and both (what is left
    is logit KD on the student's own head at the default's weight), each paired per user against
@@ -18,7 +18,8 @@ student (the teacher's first 2 layers, 3 epochs on 512 cached examples, logit lo
 
 Every step resumes (each student is a distill run folder); the result JSON holds what each step
 measured. `--steps` and `--rows` run part of it (e.g. on another family's demo run: the shipped
-defaults against the student alone, no search); the comparisons are those whose two rows ran. Usage:
+defaults against the student alone, no search); the comparisons are those whose two rows ran, and
+what an earlier run wrote into the same result file for the steps and rows not run is kept. Usage:
 
     python benchmarks/c2kd_parts.py --run runs/demo-base --out runs/bench/c2kd_parts [--trials 10] [--seeds 5]
     python benchmarks/c2kd_parts.py --run runs/demo-gemma --out runs/bench/c2kd_parts_gemma \
@@ -65,8 +66,10 @@ TERMS = {
     "no-cross-head-term": ({"w_logit": 0.0}, 3),
 }
 
+TUNED = ("c2kd", "logit-kd", "feature-kd")  # step 3's searches; step 4 tests each one's choice
+FEWER_SEEDS = {"c2kd-paper": 3, "feature-kd-tuned": 3}  # rows no goal compares: 3 seeds at most
 STEPS = ("parts", "tune", "test")
-ROWS = ("c2kd-tuned", "logit-kd-tuned", "sft", "c2kd-paper", *TERMS)
+ROWS = (*(f"{m}-tuned" for m in TUNED), "sft", "c2kd-paper", *TERMS)
 
 
 def _subset(text: str, allowed: tuple[str, ...], flag: str) -> set[str]:
@@ -102,7 +105,10 @@ def main() -> None:
              "bf16": bool(settings["bf16"]), "progress": False}
     target = args.json or args.out / "c2kd_parts.json"
     previous = json.loads(target.read_text()) if target.exists() else {}
-    result: dict = {"settings": settings, "base": asdict(base), "train": train, "parts": {}, "tune": {}, "seeds": {}}
+    # what the result file holds for steps and rows this run does not redo stays as it was measured
+    result: dict = {"settings": settings, "base": asdict(base), "train": train,
+                    **{k: dict(previous.get(k, {})) for k in ("parts", "tune", "seeds", "comparisons",
+                                                                "comparisons_validation")}}
 
     for name, change in PARTS.items() if "parts" in steps else ():  # 2. one change at a time, seed 0, validation only
         record = distill(cache, examples, args.out / "parts" / name, replace(base, **change), {**train, "seed": 0},
@@ -113,9 +119,9 @@ def main() -> None:
 
     chosen = {}
     authors = replace(base, **PARTS["stage1-authors"])  # stage 1 at the authors' schedule under every trial
-    for method in ("c2kd", "logit-kd") if "tune" in steps else ():  # 3. the same budget each, on validation
+    for method in TUNED if "tune" in steps else ():  # 3. the same budget each, on validation
         # a search already in the result file is kept as measured (its record holds its space and base)
-        record = previous.get("tune", {}).get(method) or tune(
+        record = result["tune"].get(method) or tune(
             cache, examples, args.out / "tune" / method, replace(authors, method=method), read_space(None, method),
             args.trials, {**train, "seed": 0}, progress=False)
         result["tune"][method] = record
@@ -127,12 +133,13 @@ def main() -> None:
     rows = {name: recipe for name, recipe in rows.items() if name in rows_wanted and "test" in steps}
     predictions: dict[str, dict[int, Path]] = {}
     for name, recipe in rows.items():  # 4. test, per seed
-        seeds = range(args.seeds if name != "c2kd-paper" else min(3, args.seeds))
+        seeds = range(min(FEWER_SEEDS.get(name, args.seeds), args.seeds))
         runs = {s: distill(cache, examples, args.out / "seeds" / name / f"s{s}", recipe, {**train, "seed": s})
                 for s in seeds}
         predictions[name] = {s: args.out / "seeds" / name / f"s{s}" / PREDICTIONS_FILE for s in seeds}
         result["seeds"][name] = {"recipe": asdict(recipe),
                                  "test_HR@1": {s: r["metrics"]["test"]["candidates"]["HR@1"] for s, r in runs.items()}}
+        write_result(target, result)
     default = replace(base, **recipe_preset("default", "c2kd"))
     for name, (change, most) in TERMS.items():  # 5. the default's terms, one out at a time
         if name not in rows_wanted or "test" not in steps:
@@ -146,12 +153,13 @@ def main() -> None:
                                  "test_HR@1": {s: r["metrics"]["test"]["candidates"]["HR@1"] for s, r in runs.items()},
                                  "diagnostics_s0": runs[0]["diagnostics"]}
         write_result(target, result)
-    comparisons: dict[str, dict] = {"test": {}, "validation": {}}  # validation: what a choice may read
+    comparisons = {"test": result["comparisons"], "validation": result["comparisons_validation"]}  # validation: what a choice may read
     for a, b in (("c2kd-tuned", "logit-kd-tuned"), ("c2kd-tuned", "sft"), ("c2kd-tuned", "c2kd-paper"),
                  ("logit-kd-tuned", "sft"), ("c2kd-default", "c2kd-tuned"), ("c2kd-default", "logit-kd-tuned"),
                  ("c2kd-default", "own-head-only"), ("c2kd-default", "no-feature-term"),
                  ("c2kd-default", "no-cross-head-term"), ("own-head-only", "logit-kd-tuned"),
-                 ("c2kd-default", "sft"), ("own-head-only", "sft")):
+                 ("c2kd-default", "sft"), ("own-head-only", "sft"), ("c2kd-default", "feature-kd-tuned"),
+                 ("feature-kd-tuned", "sft")):
         seeds = sorted(set(predictions.get(a, ())) & set(predictions.get(b, ())))
         if not seeds:  # a row this run did not train
             continue
@@ -160,7 +168,6 @@ def main() -> None:
                                   name_a=a, name_b=b, split=split)
             comparisons[split][f"{a} vs {b}"] = {**asdict(c), "line": str(c)}
             print(f"{split}: {c}")
-    result["comparisons"], result["comparisons_validation"] = comparisons["test"], comparisons["validation"]
     write_result(target, result)
 
 
