@@ -120,6 +120,8 @@ def main() -> None:
     chosen = {}
     authors = replace(base, **PARTS["stage1-authors"])  # stage 1 at the authors' schedule under every trial
     for method in TUNED if "tune" in steps else ():  # 3. the same budget each, on validation
+        if f"{method}-tuned" not in rows_wanted:  # a search no wanted row tests
+            continue
         # a search already in the result file is kept as measured (its record holds its space and base)
         record = result["tune"].get(method) or tune(
             cache, examples, args.out / "tune" / method, replace(authors, method=method), read_space(None, method),
