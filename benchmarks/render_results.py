@@ -190,7 +190,10 @@ ORDER = ["demo", "real_llm", "student_variants", "teacher_search", "demo_student
 
 # file (relative to the results folder): its title — what run it is, no measurements
 FILES: dict[str, str] = {
-    "demo/default.json": "The demo as it ships, from a fresh clone (Intel Xeon with AMX)",
+    "demo/default.json": "The demo as it ships (AMD EPYC without native bf16, so float32)",
+    "c2kd_parts/demo.json": "C2KD's parts, searches and terms on the SmolLM2 demo's pair (`benchmarks/c2kd_parts.py`)",
+    "c2kd_parts/gemma.json": "The shipped recipes on the Gemma-3 demo's pair, 5 seeds (`benchmarks/c2kd_parts.py --steps test`)",
+    "demo/gemma.json": "The demo with the Gemma-3-270M pair (`c2kd demo --family gemma3-270m`, AMD EPYC, float32)",
     "demo/seeds-bf16-amd.json": "The demo's recipe before `--sasrec-kd`, five seeds, with more student recipes per seed (AMD EPYC)",
     "demo/teacher-sasrec-kd-seeds.json": "The demo's teacher with and without `--sasrec-kd 4.0`, seeds 0–2 (AMD EPYC)",
     "demo/vocab-amd.json": "The demo with the C2KD student's logit losses over the vocabulary (AMD EPYC)",
@@ -449,6 +452,12 @@ def readme_rows(results: Path) -> list[list[str]]:
                  f"teacher {num(demo['teacher']['HR@1'])}, student alone {num(demo['student alone (SFT)']['HR@1'])}, "
                  f"**C2KD student {num(demo['C2KD student']['HR@1'])}**; SASRec {num(demo['SASRec']['HR@1'])}",
                  link("demo/default.json", "demo/default.json")])
+    if (results / "demo/gemma.json").exists():
+        gemma = _load(results, "demo/gemma.json")["results"]
+        rows.append(["`c2kd demo --family gemma3-270m` (Gemma-3-270M → first 2 layers, one CPU run)",
+                     f"teacher {num(gemma['teacher']['HR@1'])}, student alone {num(gemma['student alone (SFT)']['HR@1'])}, "
+                     f"**C2KD student {num(gemma['C2KD student']['HR@1'])}**; SASRec {num(gemma['SASRec']['HR@1'])}",
+                     link("demo/gemma.json", "demo/gemma.json")])
     skd = _load(results, "real_llm/sasrec-kd-teacher-amd.json")
     s_rows = skd["families"]["smollm2"]["rows"]
     own = _load(results, "student_variants/sasrec-kd-teacher-own-logit-8.json")["rows"]
@@ -504,6 +513,24 @@ def readme_rows(results: Path) -> list[list[str]]:
                                   vs_line("c2kd-default vs no-cross-head-term", "default − no cross-head term"),
                                   vs_line("c2kd-default vs logit-kd-tuned", "default − tuned logit KD"))),
                      link("c2kd_parts/demo.json", "c2kd_parts/demo.json")])
+    if (results / "c2kd_parts/gemma.json").exists():
+        g = _load(results, "c2kd_parts/gemma.json")
+        if "c2kd-default vs own-head-only" in g.get("comparisons", {}):
+            gs = {name: list(row["test_HR@1"].values()) for name, row in g["seeds"].items()}
+
+            def g_line(key: str, text: str) -> str:
+                t, v = g["comparisons"][key], g["comparisons_validation"][key]
+                return (f"{text} {t['diff']:+.4f} on test (95 % CI {t['ci_low']:+.4f} … {t['ci_high']:+.4f}, "
+                        f"p = {t['p_value']:.2g}), {v['diff']:+.4f} on validation (95 % CI {v['ci_low']:+.4f} … "
+                        f"{v['ci_high']:+.4f})")
+
+            rows.append(["The Gemma-3 demo's pair, the shipped defaults (chosen on the SmolLM2 pair's validation), "
+                         f"{len(gs['c2kd-default'])} seeds, per user",
+                         f"**C2KD (the default recipe) {cell(gs['c2kd-default'])}**, logit KD (w 8) "
+                         f"{cell(gs['own-head-only'])}, student alone {cell(gs['sft'])}; "
+                         + "; ".join((g_line("c2kd-default vs own-head-only", "C2KD − logit KD"),
+                                      g_line("c2kd-default vs sft", "C2KD − alone"))),
+                         link("c2kd_parts/gemma.json", "c2kd_parts/gemma.json")])
     dtype = _load(results, "cache_dtype/result.json")
     scale = _load(results, "cache_scale/tiny.json")
     summary = scale["summary"]
