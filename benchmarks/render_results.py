@@ -192,7 +192,6 @@ ORDER = ["demo", "real_llm", "student_variants", "teacher_search", "demo_student
 FILES: dict[str, str] = {
     "demo/default.json": "The demo as it ships (AMD EPYC without native bf16, so float32)",
     "c2kd_parts/demo.json": "C2KD's parts, searches and terms on the SmolLM2 demo's pair (`benchmarks/c2kd_parts.py`)",
-    "c2kd_parts/demo-feature-kd.json": "Feature KD tuned on the SmolLM2 demo's pair (12 trials), against the default C2KD and the student alone, 3 seeds",
     "c2kd_parts/gemma.json": "The shipped recipes on the Gemma-3 demo's pair, 5 seeds (`benchmarks/c2kd_parts.py --steps test`)",
     "demo/gemma.json": "The demo with the Gemma-3-270M pair (`c2kd demo --family gemma3-270m`, AMD EPYC, float32)",
     "demo/seeds-bf16-amd.json": "The demo's recipe before `--sasrec-kd`, five seeds, with more student recipes per seed (AMD EPYC)",
