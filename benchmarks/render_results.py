@@ -441,6 +441,12 @@ def _hr(rows: dict, name: str) -> list[float]:
     return rows[name]["candidates/HR@1"]
 
 
+def _paired(c: dict, p: bool = False) -> str:
+    """A per-user paired comparison as "+d (95 % CI lo … hi[, p = x])"."""
+    return (f"{c['diff']:+.4f} (95 % CI {c['ci_low']:+.4f} … {c['ci_high']:+.4f}"
+            + (f", p = {c['p_value']:.2g})" if p else ")"))
+
+
 def readme_rows(results: Path) -> list[list[str]]:
     """The README's one results table: the best figures, each linked to its file."""
     def link(rel: str, text: str) -> str:
@@ -500,8 +506,7 @@ def readme_rows(results: Path) -> list[list[str]]:
 
         def vs_line(key: str, text: str) -> str:
             c = cmp[key]
-            return (f"{text} {c['diff']:+.4f} (95 % CI {c['ci_low']:+.4f} … {c['ci_high']:+.4f}, p = {c['p_value']:.2g}, "
-                    f"{len(c['seeds'])} seeds)")
+            return f"{text} {_paired(c, p=True)[:-1]}, {len(c['seeds'])} seeds)"
 
         rows.append(["Which of the default C2KD recipe's terms carry its gain (the demo's pair; each term taken out, "
                      "per user against the default on test)",
@@ -519,10 +524,8 @@ def readme_rows(results: Path) -> list[list[str]]:
             gs = {name: list(row["test_HR@1"].values()) for name, row in g["seeds"].items()}
 
             def g_line(key: str, text: str) -> str:
-                t, v = g["comparisons"][key], g["comparisons_validation"][key]
-                return (f"{text} {t['diff']:+.4f} on test (95 % CI {t['ci_low']:+.4f} … {t['ci_high']:+.4f}, "
-                        f"p = {t['p_value']:.2g}), {v['diff']:+.4f} on validation (95 % CI {v['ci_low']:+.4f} … "
-                        f"{v['ci_high']:+.4f})")
+                t, v = _paired(g["comparisons"][key], p=True), _paired(g["comparisons_validation"][key])
+                return f"{text} {t.replace(' (', ' on test (', 1)}, {v.replace(' (', ' on validation (', 1)}"
 
             rows.append(["The Gemma-3 demo's pair, the shipped defaults (chosen on the SmolLM2 pair's validation), "
                          f"{len(gs['c2kd-default'])} seeds, per user",

@@ -3,9 +3,10 @@
 prepare → SASRec → teacher (pretrained SmolLM2-135M, or Gemma-3-270M with `--family`; `ids`, hybrid
 item head) → teacher cache → a student trained alone from the cache (SFT) and a C2KD student (with
 the own-head logit term, `--w-own-logit`, its logit losses over the item tokens), both of the same
-pretrained family and size → evaluation on the test split → a comparison table (quality, share of the teacher-student
-gap the distilled student recovers, parameters, per-request latency) → the C2KD student exported
-to ONNX, recommending to one user with onnxruntime alone. Everything goes under one run folder.
+pretrained family and size → evaluation on the test split → a comparison table (quality, share of
+the teacher-student gap the distilled student recovers, parameters, per-request latency) → the C2KD
+student exported to ONNX, recommending to one user with onnxruntime alone. Everything goes under one
+run folder.
 """
 
 from __future__ import annotations
