@@ -90,12 +90,23 @@ def cache(teacher, examples, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def small_cache(teacher, examples, tmp_path_factory) -> Path:
+    """The same examples in a quarter as many files: for the tests that need no transfer cut short
+    (every S3 request costs time)."""
+    out = tmp_path_factory.mktemp("sharing-small") / "cache"
+    cache_teacher(teacher, examples, out, CacheTeacherSettings(splits=("train", "validation"), examples_per_shard=64,
+                                                               progress=False))
+    return out
+
+
 def _cli(args: list[str], env: dict) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "c2kd.cli", *args], env={**os.environ, **env},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def test_push_pull_verify_identity(s3, cache, tmp_path):
+def test_push_pull_verify_identity(s3, small_cache, tmp_path):
+    cache = small_cache
     url = f"s3://{BUCKET}/round-trip"
     digest = TeacherCache.open(cache).digest
     first = push(cache, url)
@@ -141,7 +152,8 @@ def test_a_killed_push_and_a_killed_pull_resume_to_the_same_cache(s3, cache, tmp
     assert verify_cache(out).ok and content_digest(out) == content_digest(cache)
 
 
-def test_distill_from_s3_reads_each_file_once(s3, cache, examples, tmp_path):
+def test_distill_from_s3_reads_each_file_once(s3, small_cache, examples, tmp_path):
+    cache = small_cache
     url = f"s3://{BUCKET}/train-from"
     push(cache, url)
     record = distill(url, examples.root, tmp_path / "student", DistillRecipe(student="micro", max_val=8),
@@ -151,7 +163,8 @@ def test_distill_from_s3_reads_each_file_once(s3, cache, examples, tmp_path):
     assert kept  # fetched once into the read cache, read from there afterwards
 
 
-def test_refusals(s3, cache, tmp_path, teacher, examples):
+def test_refusals(s3, small_cache, tmp_path, teacher, examples):
+    cache = small_cache
     # an incomplete cache is not pushed
     partial = tmp_path / "partial"
     import shutil
@@ -181,7 +194,8 @@ def test_refusals(s3, cache, tmp_path, teacher, examples):
     assert not (tmp_path / "damaged" / "manifest.json").exists() and not (tmp_path / "damaged" / "shards" / "shard-00002").exists()
 
 
-def test_missing_credentials_are_one_clear_line(s3, cache):
+def test_missing_credentials_are_one_clear_line(s3, small_cache):
+    cache = small_cache
     env = {**s3["env"], "AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": "", "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
            "AWS_CONFIG_FILE": "/nonexistent"}
     env = {k: v for k, v in env.items() if v}
