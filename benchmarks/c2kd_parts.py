@@ -15,7 +15,10 @@ student (the teacher's first 2 layers, 3 epochs on 512 cached examples, logit lo
 5. terms: the shipped default (`--recipe default`, the chosen weights rounded) and the default with
    one C2KD term taken out at a time: the feature term, the cross-head term, and both (what is left
    is logit KD on the student's own head at the default's weight), each paired per user against
-   the default on test, to show which of its terms the gain over tuned logit KD comes from.
+   the default on test, to show which of its terms the gain over tuned logit KD comes from;
+6. routers (seed 0, validation only): the default with the probe router and with each cached layer
+   fixed, each paired per user against the default, to show whether the router's choice of layer
+   matters when it settles on one.
 
 Every step resumes (each student is a distill run folder); the result JSON holds what each step
 measured. `--steps` and `--rows` run part of it (e.g. on another family's demo run: the shipped
@@ -35,6 +38,7 @@ import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from c2kd.cache_schema import TeacherCache
 from c2kd.compare import paired_comparison
 from c2kd.data.examples import load_examples
 from c2kd.demo import DemoSettings
@@ -69,7 +73,7 @@ TERMS = {
 
 TUNED = ("c2kd", "logit-kd")  # step 3's searches; step 4 tests each one's choice
 FEWER_SEEDS = {"c2kd-paper": 3}  # rows no goal compares: 3 seeds at most
-STEPS = ("parts", "tune", "test")
+STEPS = ("parts", "tune", "test", "routers")
 ROWS = (*(f"{m}-tuned" for m in TUNED), "sft", "c2kd-paper", *TERMS)
 
 
@@ -87,7 +91,7 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=10)
     p.add_argument("--seeds", type=int, default=5)
     p.add_argument("--json", type=Path, default=None, help="result file [default: OUT/c2kd_parts.json]")
-    p.add_argument("--steps", default=",".join(STEPS), help=f"steps to run, of {','.join(STEPS)} (test: 4 and 5)")
+    p.add_argument("--steps", default=",".join(STEPS), help=f"steps to run, of {','.join(STEPS)} (test: 4 and 5; routers: 6)")
     p.add_argument("--rows", default=None, help=f"test rows to train [default: all], of {','.join(ROWS)}")
     args = p.parse_args()
     steps, rows_wanted = _subset(args.steps, STEPS, "--steps"), _subset(args.rows or ",".join(ROWS), ROWS, "--rows")
@@ -109,7 +113,7 @@ def main() -> None:
     # what the result file holds for steps and rows this run does not redo stays as it was measured
     result: dict = {"settings": settings, "base": asdict(base), "train": train,
                     **{k: dict(previous.get(k, {})) for k in ("parts", "tune", "seeds", "comparisons",
-                                                                "comparisons_validation")}}
+                                                                "comparisons_validation", "routers")}}
 
     for name, change in PARTS.items() if "parts" in steps else ():  # 2. one change at a time, seed 0, validation only
         record = distill(cache, examples, args.out / "parts" / name, replace(base, **change), {**train, "seed": 0},
@@ -171,6 +175,22 @@ def main() -> None:
             comparisons[split][f"{a} vs {b}"] = {**asdict(c), "line": str(c)}
             print(f"{split}: {c}")
     write_result(target, result)
+
+    if "routers" in steps:  # 6. the default's router against the others and each layer alone, seed 0
+        reference = args.out / "terms" / "c2kd-default" / "s0"
+        ours = distill(cache, examples, reference, replace(default, **TERMS["c2kd-default"][0]), {**train, "seed": 0})
+        result["routers"][default.router] = {"validation": ours["metrics"]["validation"]["candidates"],
+                                             "diagnostics": ours["diagnostics"]}
+        for router in ("probe", *(f"fixed:{l}" for l in TeacherCache.open(cache).spec.layers)):
+            folder = args.out / "routers" / router.replace(":", "-")
+            record = distill(cache, examples, folder, replace(default, router=router), {**train, "seed": 0},
+                             final_splits=("validation",))
+            c = paired_comparison({0: folder / PREDICTIONS_FILE}, {0: reference / PREDICTIONS_FILE},
+                                  name_a=router, name_b=default.router, split="validation")
+            result["routers"][router] = {"validation": record["metrics"]["validation"]["candidates"],
+                                         "diagnostics": record["diagnostics"], "vs_default": {**asdict(c), "line": str(c)}}
+            print(f"validation: {c}")
+            write_result(target, result)
 
 
 if __name__ == "__main__":

@@ -534,6 +534,35 @@ def readme_rows(results: Path) -> list[list[str]]:
                          + "; ".join((g_line("c2kd-default vs own-head-only", "C2KD − logit KD"),
                                       g_line("c2kd-default vs sft", "C2KD − alone"))),
                          link("c2kd_parts/gemma.json", "c2kd_parts/gemma.json")])
+        if "c2kd-default vs logit-kd-tuned" in g.get("comparisons", {}):
+            trials = len(g["tune"]["logit-kd"]["trials"])
+            w = g["tune"]["logit-kd"]["chosen"]["params"]["w_logit"]
+            picked, default = g["tune"]["c2kd"]["chosen"]["params"], g["seeds"]["c2kd-default"]["recipe"]
+            same = all((f"{v:.2g}" if isinstance(v, float) else v) == (f"{default[k]:.2g}" if isinstance(v, float) else default[k])
+                       for k, v in picked.items())
+            rows.append([f"The Gemma-3 demo's pair, each method's recipe chosen on its validation (`c2kd tune`, {trials} trials "
+                         f"each{'; C2KD' + chr(39) + 's search chose the default recipe' if same else ''}), "
+                         f"{len(gs['logit-kd-tuned'])} seeds, per user",
+                         f"**C2KD (the default recipe) {cell(gs['c2kd-default'])}**, logit KD (tuned: w {w:.2g}) "
+                         f"{cell(gs['logit-kd-tuned'])}, logit KD (w 8) {cell(gs['own-head-only'])}; "
+                         + "; ".join((g_line("c2kd-default vs logit-kd-tuned", "C2KD − tuned logit KD"),
+                                      g_line("own-head-only vs logit-kd-tuned", f"logit KD w 8 − w {w:.2g}"))),
+                         link("c2kd_parts/gemma.json", "c2kd_parts/gemma.json")])
+        if len(g.get("routers", {})) > 1:
+            r = g["routers"]
+            default = next(k for k, v in r.items() if "vs_default" not in v)
+
+            def r_cell(name: str) -> str:
+                counts = r[name]["diagnostics"]["epochs"][-1].get("router_counts", {})
+                used = "/".join(str(counts[k]) for k in sorted(counts, key=int)) if counts else ""
+                text = f"`{name}` {num(r[name]['validation']['HR@1'])}" + (f" (last epoch {used})" if used else "")
+                return text + (f", {_paired(r[name]['vs_default'])}" if "vs_default" in r[name] else "")
+
+            layers = sorted(next(iter(r.values()))["diagnostics"]["epochs"][-1]["router_counts"], key=int)
+            rows.append([f"Does the router's choice matter? The Gemma pair's default with each router, seed 0, validation "
+                         f"HR@1 (examples per layer {', '.join(layers)}; − the default `{default}`, per user)",
+                         "; ".join(r_cell(name) for name in r),
+                         link("c2kd_parts/gemma.json", "c2kd_parts/gemma.json")])
     dtype = _load(results, "cache_dtype/result.json")
     scale = _load(results, "cache_scale/tiny.json")
     summary = scale["summary"]

@@ -67,7 +67,8 @@ PAPER_RECIPE = {"router": "top1", "cross_head": True, "orth": True, "w_feat": 0.
                 "stage1_lr": 8e-4, "filter_init": "random"}
 # `--recipe default` (what `c2kd distill` and `c2kd tune` start from), per method: chosen on validation
 # by `c2kd tune`, 12 trials per method, on the demo's SmolLM2-135M pair
-# (benchmarks/results/c2kd_parts/demo.json); weights to two significant digits. Gemma-3 was not searched.
+# (benchmarks/results/c2kd_parts/demo.json); weights to two significant digits. The same search on
+# the Gemma-3 demo's pair (8 trials, c2kd_parts/gemma.json) chose the same C2KD recipe.
 DEFAULT_RECIPES = {
     "c2kd": {"router": "soft:8", "filter_init": "auto", "student_layer": "penultimate", "w_feat": 3.1, "w_logit": 0.45,
              "w_own_logit": 8.0, "stage1_epochs": 3, "stage1_lr": 8e-4},
