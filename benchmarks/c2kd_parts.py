@@ -8,8 +8,10 @@ student (the teacher's first 2 layers, 3 epochs on 512 cached examples, logit lo
 2. parts (seed 0; read on validation only): the paper's C2KD, then one change at a time — stage 1
    at the authors' schedule (3 epochs at 8e-4, best epoch on validation), filters started as a
    logit lens, the soft and probe routers, the last student layer;
-3. tune: `c2kd tune` for C2KD and for logit KD, the same number of trials each, on validation
-   (not feature KD: its uniform layer map needs a middle teacher layer the demo's cache does not hold);
+3. tune: `c2kd tune` for C2KD and for logit KD, the same number of trials each, on validation; for
+   feature KD too when its row is asked for: its uniform layer map needs a middle teacher layer, so
+   that run caches one (`--layers`, e.g. 15,26,27,28,29 for SmolLM2) and keeps C2KD's router on
+   the demo's layers (`--router-layers 26,27,28,29`);
 4. seeds: the chosen C2KD, the tuned logit KD, the student alone and the paper's C2KD on the
    test split, paired per user over seeds (c2kd.compare);
 5. terms: the shipped default (`--recipe default`, the chosen weights rounded) and the default with
@@ -71,10 +73,11 @@ TERMS = {
     "no-cross-head-term": ({"w_logit": 0.0}, 3),
 }
 
-TUNED = ("c2kd", "logit-kd")  # step 3's searches; step 4 tests each one's choice
-FEWER_SEEDS = {"c2kd-paper": 3}  # rows no goal compares: 3 seeds at most
+TUNED = ("c2kd", "logit-kd", "feature-kd")  # step 3's searches; step 4 tests each one's choice
+FEWER_SEEDS = {"c2kd-paper": 3, "feature-kd-tuned": 3}  # rows no goal compares: 3 seeds at most
 STEPS = ("parts", "tune", "test", "routers")
 ROWS = (*(f"{m}-tuned" for m in TUNED), "sft", "c2kd-paper", *TERMS)
+NEEDS_A_MIDDLE_LAYER = ("feature-kd-tuned",)  # not among the default rows: the demo's cache holds late layers only
 
 
 def _subset(text: str, allowed: tuple[str, ...], flag: str) -> set[str]:
@@ -82,6 +85,15 @@ def _subset(text: str, allowed: tuple[str, ...], flag: str) -> set[str]:
     if not chosen or chosen - set(allowed):
         raise SystemExit(f"{flag} {text!r}: expected a comma list of {','.join(allowed)}")
     return chosen
+
+
+def for_method(recipe: DistillRecipe, method: str, router_layers: tuple[int, ...] | None) -> DistillRecipe:
+    """`recipe` for `method`: C2KD reads the router's layers; no other method takes them, and feature
+    KD and SFT have no logit loss to put over items."""
+    if method == "c2kd":
+        return replace(recipe, method=method, router_layers=router_layers)
+    return replace(recipe, method=method, router_layers=None,
+                   kd_over="vocab" if method in ("feature-kd", "sft") else recipe.kd_over)
 
 
 def main() -> None:
@@ -92,9 +104,16 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=5)
     p.add_argument("--json", type=Path, default=None, help="result file [default: OUT/c2kd_parts.json]")
     p.add_argument("--steps", default=",".join(STEPS), help=f"steps to run, of {','.join(STEPS)} (test: 4 and 5; routers: 6)")
-    p.add_argument("--rows", default=None, help=f"test rows to train [default: all], of {','.join(ROWS)}")
+    p.add_argument("--rows", default=None, help=f"test rows to train [default: all but {','.join(NEEDS_A_MIDDLE_LAYER)}], "
+                                                f"of {','.join(ROWS)}")
+    p.add_argument("--layers", default=None, help="teacher layers OUT/cache holds [default: the demo's, its late layers]")
+    p.add_argument("--router-layers", default=None, help="the layers C2KD's router reads [default: every cached layer]")
     args = p.parse_args()
-    steps, rows_wanted = _subset(args.steps, STEPS, "--steps"), _subset(args.rows or ",".join(ROWS), ROWS, "--rows")
+    default_rows = ",".join(r for r in ROWS if r not in NEEDS_A_MIDDLE_LAYER)
+    steps, rows_wanted = _subset(args.steps, STEPS, "--steps"), _subset(args.rows or default_rows, ROWS, "--rows")
+    router_layers = tuple(int(x) for x in args.router_layers.split(",")) if args.router_layers else None
+    fit = lambda recipe, method=None: for_method(recipe, method or recipe.method, router_layers)  # noqa: E731
+
     results = args.run / "results.json"  # a finished demo; else its default settings (float32 where no native bf16)
     settings = (json.loads(results.read_text())["settings"] if results.exists()
                 else {**asdict(DemoSettings()), "bf16": native_bf16()})
@@ -102,7 +121,8 @@ def main() -> None:
     cache = args.out / "cache"
     if not cache.exists():
         cache_teacher(args.run / "teacher", examples, cache,
-                      CacheTeacherSettings(splits=("train", "validation"), max_examples=settings["student_max_train"]))
+                      CacheTeacherSettings(splits=("train", "validation"), max_examples=settings["student_max_train"],
+                                           layers=tuple(int(x) for x in args.layers.split(",")) if args.layers else None))
     base = DistillRecipe(student=settings["student"], shrink=settings["student_shrink"], kd_over=settings["kd_over"],
                          max_train=settings["student_max_train"], max_val=settings["max_val"],
                          shuffle_block=0)  # the order these runs were made with: 512 examples (< a block) are fully shuffled either way
@@ -116,7 +136,7 @@ def main() -> None:
                                                                 "comparisons_validation", "routers")}}
 
     for name, change in PARTS.items() if "parts" in steps else ():  # 2. one change at a time, seed 0, validation only
-        record = distill(cache, examples, args.out / "parts" / name, replace(base, **change), {**train, "seed": 0},
+        record = distill(cache, examples, args.out / "parts" / name, fit(replace(base, **change)), {**train, "seed": 0},
                          final_splits=("validation",))
         result["parts"][name] = {"change": change, "validation": record["metrics"]["validation"]["candidates"],
                                  "diagnostics": record["diagnostics"]}
@@ -129,7 +149,7 @@ def main() -> None:
             continue
         # a search already in the result file is kept as measured (its record holds its space and base)
         record = result["tune"].get(method) or tune(
-            cache, examples, args.out / "tune" / method, replace(authors, method=method), read_space(None, method),
+            cache, examples, args.out / "tune" / method, fit(authors, method), read_space(None, method),
             args.trials, {**train, "seed": 0}, progress=False)
         result["tune"][method] = record
         chosen[method] = record["chosen"]["recipe"]
@@ -137,7 +157,7 @@ def main() -> None:
 
     rows = {f"{m}-tuned": DistillRecipe(**{**chosen[m], "router_layers": None, "shuffle_block": 0}) for m in chosen}
     rows.update({"sft": replace(base, method="sft", kd_over="vocab"), "c2kd-paper": base})
-    rows = {name: recipe for name, recipe in rows.items() if name in rows_wanted and "test" in steps}
+    rows = {name: fit(recipe) for name, recipe in rows.items() if name in rows_wanted and "test" in steps}
     predictions: dict[str, dict[int, Path]] = {}
     for name, recipe in rows.items():  # 4. test, per seed
         seeds = range(min(FEWER_SEEDS.get(name, args.seeds), args.seeds))
@@ -151,7 +171,7 @@ def main() -> None:
     for name, (change, most) in TERMS.items():  # 5. the default's terms, one out at a time
         if name not in rows_wanted or "test" not in steps:
             continue
-        recipe = replace(default, **change)
+        recipe = fit(replace(default, **change))
         seeds = range(min(most, args.seeds))
         runs = {s: distill(cache, examples, args.out / "terms" / name / f"s{s}", recipe, {**train, "seed": s})
                 for s in seeds}
@@ -165,7 +185,8 @@ def main() -> None:
                  ("logit-kd-tuned", "sft"), ("c2kd-default", "c2kd-tuned"), ("c2kd-default", "logit-kd-tuned"),
                  ("c2kd-default", "own-head-only"), ("c2kd-default", "no-feature-term"),
                  ("c2kd-default", "no-cross-head-term"), ("own-head-only", "logit-kd-tuned"),
-                 ("c2kd-default", "sft"), ("own-head-only", "sft")):
+                 ("c2kd-default", "sft"), ("own-head-only", "sft"), ("c2kd-default", "feature-kd-tuned"),
+                 ("c2kd-tuned", "feature-kd-tuned"), ("feature-kd-tuned", "sft")):
         seeds = sorted(set(predictions.get(a, ())) & set(predictions.get(b, ())))
         if not seeds:  # a row this run did not train
             continue
@@ -178,12 +199,12 @@ def main() -> None:
 
     if "routers" in steps:  # 6. the default's router against the others and each layer alone, seed 0
         reference = args.out / "terms" / "c2kd-default" / "s0"
-        ours = distill(cache, examples, reference, replace(default, **TERMS["c2kd-default"][0]), {**train, "seed": 0})
+        ours = distill(cache, examples, reference, fit(replace(default, **TERMS["c2kd-default"][0])), {**train, "seed": 0})
         result["routers"][default.router] = {"validation": ours["metrics"]["validation"]["candidates"],
                                              "diagnostics": ours["diagnostics"]}
-        for router in ("probe", *(f"fixed:{l}" for l in TeacherCache.open(cache).spec.layers)):
+        for router in ("probe", *(f"fixed:{l}" for l in router_layers or TeacherCache.open(cache).spec.layers)):
             folder = args.out / "routers" / router.replace(":", "-")
-            record = distill(cache, examples, folder, replace(default, router=router), {**train, "seed": 0},
+            record = distill(cache, examples, folder, fit(replace(default, router=router)), {**train, "seed": 0},
                              final_splits=("validation",))
             c = paired_comparison({0: folder / PREDICTIONS_FILE}, {0: reference / PREDICTIONS_FILE},
                                   name_a=router, name_b=default.router, split="validation")

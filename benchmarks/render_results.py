@@ -192,7 +192,8 @@ ORDER = ["demo", "real_llm", "student_variants", "teacher_search", "demo_student
 FILES: dict[str, str] = {
     "demo/default.json": "The demo as it ships (AMD EPYC without native bf16, so float32)",
     "c2kd_parts/demo.json": "C2KD's parts, searches and terms on the SmolLM2 demo's pair (`benchmarks/c2kd_parts.py`)",
-    "c2kd_parts/gemma.json": "The shipped recipes on the Gemma-3 demo's pair, 5 seeds (`benchmarks/c2kd_parts.py --steps test`)",
+    "c2kd_parts/demo-feature-kd.json": "Feature KD at its validation-tuned weight against the default C2KD on the demo's SmolLM2 pair (`benchmarks/c2kd_parts.py --layers 15,26,27,28,29 --router-layers 26,27,28,29 --rows feature-kd-tuned,c2kd-default`)",
+    "c2kd_parts/gemma.json": "The Gemma-3 demo's pair: the shipped recipes, each method searched on validation, the routers (`benchmarks/c2kd_parts.py --steps tune,test,routers`)",
     "demo/gemma.json": "The demo with the Gemma-3-270M pair (`c2kd demo --family gemma3-270m`, AMD EPYC, float32)",
     "demo/seeds-bf16-amd.json": "The demo's recipe before `--sasrec-kd`, five seeds, with more student recipes per seed (AMD EPYC)",
     "demo/teacher-sasrec-kd-seeds.json": "The demo's teacher with and without `--sasrec-kd 4.0`, seeds 0–2 (AMD EPYC)",
@@ -563,6 +564,20 @@ def readme_rows(results: Path) -> list[list[str]]:
                          f"HR@1 (examples per layer {', '.join(layers)}; − the default `{default}`, per user)",
                          "; ".join(r_cell(name) for name in r),
                          link("c2kd_parts/gemma.json", "c2kd_parts/gemma.json")])
+    if (results / "c2kd_parts/demo-feature-kd.json").exists():
+        f = _load(results, "c2kd_parts/demo-feature-kd.json")
+        if "c2kd-default vs feature-kd-tuned" in f.get("comparisons", {}):
+            fs = {name: list(row["test_HR@1"].values()) for name, row in f["seeds"].items()}
+            tuned = f["tune"]["feature-kd"]
+            t, v = (_paired(f[k]["c2kd-default vs feature-kd-tuned"], p=k == "comparisons")
+                    for k in ("comparisons", "comparisons_validation"))
+            rows.append([f"Feature KD (SLMRec's uniform layer map) on the demo's SmolLM2 pair, its weight chosen on "
+                         f"validation (`c2kd tune`, {len(tuned['trials'])} trials; a cache with teacher layer 15 too), "
+                         f"{len(fs['feature-kd-tuned'])} seeds, per user",
+                         f"feature KD (w_feat {tuned['chosen']['params']['w_feat']:.2g}) {cell(fs['feature-kd-tuned'])}, "
+                         f"**C2KD (the default recipe, its router on layers 26–29) {cell(fs['c2kd-default'])}**; "
+                         f"C2KD − feature KD {t.replace(' (', ' on test (', 1)}, {v.replace(' (', ' on validation (', 1)}",
+                         link("c2kd_parts/demo-feature-kd.json", "c2kd_parts/demo-feature-kd.json")])
     dtype = _load(results, "cache_dtype/result.json")
     scale = _load(results, "cache_scale/tiny.json")
     summary = scale["summary"]

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.c2kd_parts import FEWER_SEEDS, ROWS, STEPS, TERMS, TUNED, _subset
+from benchmarks.c2kd_parts import FEWER_SEEDS, ROWS, STEPS, TERMS, TUNED, _subset, for_method
+from c2kd.student.distill import DistillRecipe
 
 
 def test_every_tuned_method_and_term_is_a_row():
@@ -22,3 +23,12 @@ def test_subset_reads_a_comma_list():
 def test_subset_refuses_an_unknown_or_empty_list(text):
     with pytest.raises(SystemExit, match="expected a comma list of"):
         _subset(text, ROWS, "--rows")
+
+
+def test_each_method_gets_the_router_layers_and_logit_support_it_takes():
+    demo = DistillRecipe(student="micro", kd_over="items")
+    assert for_method(demo, "c2kd", (26, 27)).router_layers == (26, 27)  # C2KD keeps the demo's layers in a wider cache
+    logit = for_method(demo, "logit-kd", (26, 27))
+    assert logit.method == "logit-kd" and logit.router_layers is None and logit.kd_over == "items"
+    feature = for_method(demo, "feature-kd", (26, 27))  # the demo's items support is refused for feature KD
+    assert feature.method == "feature-kd" and feature.router_layers is None and feature.kd_over == "vocab"
