@@ -87,6 +87,10 @@ def _subset(text: str, allowed: tuple[str, ...], flag: str) -> set[str]:
     return chosen
 
 
+def _ints(text: str | None) -> tuple[int, ...] | None:
+    return tuple(int(x) for x in text.split(",")) if text else None
+
+
 def for_method(recipe: DistillRecipe, method: str, router_layers: tuple[int, ...] | None) -> DistillRecipe:
     """`recipe` for `method`: C2KD reads the router's layers; no other method takes them, and feature
     KD and SFT have no logit loss to put over items."""
@@ -111,7 +115,7 @@ def main() -> None:
     args = p.parse_args()
     default_rows = ",".join(r for r in ROWS if r not in NEEDS_A_MIDDLE_LAYER)
     steps, rows_wanted = _subset(args.steps, STEPS, "--steps"), _subset(args.rows or default_rows, ROWS, "--rows")
-    router_layers = tuple(int(x) for x in args.router_layers.split(",")) if args.router_layers else None
+    router_layers = _ints(args.router_layers)
     fit = lambda recipe, method=None: for_method(recipe, method or recipe.method, router_layers)  # noqa: E731
 
     results = args.run / "results.json"  # a finished demo; else its default settings (float32 where no native bf16)
@@ -122,7 +126,7 @@ def main() -> None:
     if not cache.exists():
         cache_teacher(args.run / "teacher", examples, cache,
                       CacheTeacherSettings(splits=("train", "validation"), max_examples=settings["student_max_train"],
-                                           layers=tuple(int(x) for x in args.layers.split(",")) if args.layers else None))
+                                           layers=_ints(args.layers)))
     base = DistillRecipe(student=settings["student"], shrink=settings["student_shrink"], kd_over=settings["kd_over"],
                          max_train=settings["student_max_train"], max_val=settings["max_val"],
                          shuffle_block=0)  # the order these runs were made with: 512 examples (< a block) are fully shuffled either way
@@ -156,7 +160,7 @@ def main() -> None:
         write_result(target, result)
 
     rows = {f"{m}-tuned": DistillRecipe(**{**chosen[m], "router_layers": None, "shuffle_block": 0}) for m in chosen}
-    rows.update({"sft": replace(base, method="sft", kd_over="vocab"), "c2kd-paper": base})
+    rows.update({"sft": fit(base, "sft"), "c2kd-paper": base})
     rows = {name: fit(recipe) for name, recipe in rows.items() if name in rows_wanted and "test" in steps}
     predictions: dict[str, dict[int, Path]] = {}
     for name, recipe in rows.items():  # 4. test, per seed
@@ -199,7 +203,7 @@ def main() -> None:
 
     if "routers" in steps:  # 6. the default's router against the others and each layer alone, seed 0
         reference = args.out / "terms" / "c2kd-default" / "s0"
-        ours = distill(cache, examples, reference, fit(replace(default, **TERMS["c2kd-default"][0])), {**train, "seed": 0})
+        ours = distill(cache, examples, reference, fit(default), {**train, "seed": 0})  # step 5's default, seed 0
         result["routers"][default.router] = {"validation": ours["metrics"]["validation"]["candidates"],
                                              "diagnostics": ours["diagnostics"]}
         for router in ("probe", *(f"fixed:{l}" for l in router_layers or TeacherCache.open(cache).spec.layers)):

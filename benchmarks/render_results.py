@@ -448,6 +448,12 @@ def _paired(c: dict, p: bool = False) -> str:
             + (f", p = {c['p_value']:.2g})" if p else ")"))
 
 
+def _on_splits(test: dict, validation: dict) -> str:
+    """A comparison on test (with its p) and on validation: "+d on test (…), +d on validation (…)"."""
+    t, v = _paired(test, p=True), _paired(validation)
+    return f"{t.replace(' (', ' on test (', 1)}, {v.replace(' (', ' on validation (', 1)}"
+
+
 def readme_rows(results: Path) -> list[list[str]]:
     """The README's one results table: the best figures, each linked to its file."""
     def link(rel: str, text: str) -> str:
@@ -525,8 +531,7 @@ def readme_rows(results: Path) -> list[list[str]]:
             gs = {name: list(row["test_HR@1"].values()) for name, row in g["seeds"].items()}
 
             def g_line(key: str, text: str) -> str:
-                t, v = _paired(g["comparisons"][key], p=True), _paired(g["comparisons_validation"][key])
-                return f"{text} {t.replace(' (', ' on test (', 1)}, {v.replace(' (', ' on validation (', 1)}"
+                return f"{text} {_on_splits(g['comparisons'][key], g['comparisons_validation'][key])}"
 
             rows.append(["The Gemma-3 demo's pair, the shipped defaults (chosen on the SmolLM2 pair's validation), "
                          f"{len(gs['c2kd-default'])} seeds, per user",
@@ -541,8 +546,9 @@ def readme_rows(results: Path) -> list[list[str]]:
             picked, default = g["tune"]["c2kd"]["chosen"]["params"], g["seeds"]["c2kd-default"]["recipe"]
             same = all((f"{v:.2g}" if isinstance(v, float) else v) == (f"{default[k]:.2g}" if isinstance(v, float) else default[k])
                        for k, v in picked.items())
+            note = "; C2KD's search chose the default recipe" if same else ""
             rows.append([f"The Gemma-3 demo's pair, each method's recipe chosen on its validation (`c2kd tune`, {trials} trials "
-                         f"each{'; C2KD' + chr(39) + 's search chose the default recipe' if same else ''}), "
+                         f"each{note}), "
                          f"{len(gs['logit-kd-tuned'])} seeds, per user",
                          f"**C2KD (the default recipe) {cell(gs['c2kd-default'])}**, logit KD (tuned: w {w:.2g}) "
                          f"{cell(gs['logit-kd-tuned'])}, logit KD (w 8) {cell(gs['own-head-only'])}; "
@@ -569,14 +575,13 @@ def readme_rows(results: Path) -> list[list[str]]:
         if "c2kd-default vs feature-kd-tuned" in f.get("comparisons", {}):
             fs = {name: list(row["test_HR@1"].values()) for name, row in f["seeds"].items()}
             tuned = f["tune"]["feature-kd"]
-            t, v = (_paired(f[k]["c2kd-default vs feature-kd-tuned"], p=k == "comparisons")
-                    for k in ("comparisons", "comparisons_validation"))
+            key = "c2kd-default vs feature-kd-tuned"
             rows.append([f"Feature KD (SLMRec's uniform layer map) on the demo's SmolLM2 pair, its weight chosen on "
                          f"validation (`c2kd tune`, {len(tuned['trials'])} trials; a cache with teacher layer 15 too), "
                          f"{len(fs['feature-kd-tuned'])} seeds, per user",
                          f"feature KD (w_feat {tuned['chosen']['params']['w_feat']:.2g}) {cell(fs['feature-kd-tuned'])}, "
                          f"**C2KD (the default recipe, its router on layers 26–29) {cell(fs['c2kd-default'])}**; "
-                         f"C2KD − feature KD {t.replace(' (', ' on test (', 1)}, {v.replace(' (', ' on validation (', 1)}",
+                         f"C2KD − feature KD {_on_splits(f['comparisons'][key], f['comparisons_validation'][key])}",
                          link("c2kd_parts/demo-feature-kd.json", "c2kd_parts/demo-feature-kd.json")])
     dtype = _load(results, "cache_dtype/result.json")
     scale = _load(results, "cache_scale/tiny.json")

@@ -81,23 +81,23 @@ def teacher(examples, tmp_path_factory):
     return save_random_teacher(examples, tmp_path_factory.mktemp("sharing-teacher"), seed=4)
 
 
+def _train_and_validation_cache(teacher: Path, examples, out: Path, examples_per_shard: int) -> Path:
+    cache_teacher(teacher, examples, out, CacheTeacherSettings(splits=("train", "validation"),
+                                                               examples_per_shard=examples_per_shard, progress=False))
+    return out
+
+
 @pytest.fixture(scope="module")
 def cache(teacher, examples, tmp_path_factory) -> Path:
     """Many small files, so that a transfer takes long enough to be cut."""
-    out = tmp_path_factory.mktemp("sharing") / "cache"
-    cache_teacher(teacher, examples, out, CacheTeacherSettings(splits=("train", "validation"), examples_per_shard=16,
-                                                               progress=False))
-    return out
+    return _train_and_validation_cache(teacher, examples, tmp_path_factory.mktemp("sharing") / "cache", 16)
 
 
 @pytest.fixture(scope="module")
 def small_cache(teacher, examples, tmp_path_factory) -> Path:
     """The same examples in a quarter as many files: for the tests that need no transfer cut short
     (every S3 request costs time)."""
-    out = tmp_path_factory.mktemp("sharing-small") / "cache"
-    cache_teacher(teacher, examples, out, CacheTeacherSettings(splits=("train", "validation"), examples_per_shard=64,
-                                                               progress=False))
-    return out
+    return _train_and_validation_cache(teacher, examples, tmp_path_factory.mktemp("sharing-small") / "cache", 64)
 
 
 def _cli(args: list[str], env: dict) -> subprocess.Popen:
