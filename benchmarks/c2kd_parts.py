@@ -1,7 +1,8 @@
 """Do C2KD's parts do their job, and is a recipe chosen on validation better than tuned logit KD?
 
 On a finished `c2kd demo` run folder (its SmolLM2-135M teacher, data, settings), with the demo's
-student (the teacher's first 2 layers, 3 epochs on 512 cached examples, logit losses over items):
+student (the teacher's first 2 layers, or `--shrink` another; 3 epochs on 512 cached examples,
+logit losses over items):
 
 1. cache: the teacher's train examples the demo cached, plus the validation split (stage 1 judges
    its probes there);
@@ -30,6 +31,8 @@ what an earlier run wrote into the same result file for the steps and rows not r
     python benchmarks/c2kd_parts.py --run runs/demo-base --out runs/bench/c2kd_parts [--trials 10] [--seeds 5]
     python benchmarks/c2kd_parts.py --run runs/demo-gemma --out runs/bench/c2kd_parts_gemma \
         --steps test --rows sft,c2kd-default,own-head-only
+    python benchmarks/c2kd_parts.py --run runs/demo-base --out runs/bench/c2kd_parts_first3 --shrink first:3 \
+        --steps tune,test --rows c2kd-tuned,logit-kd-tuned,sft,c2kd-default
 """
 
 from __future__ import annotations
@@ -100,6 +103,15 @@ def for_method(recipe: DistillRecipe, method: str, router_layers: tuple[int, ...
                    kd_over="vocab" if method in ("feature-kd", "sft") else recipe.kd_over)
 
 
+def carried_over(previous: dict) -> dict:
+    """What an earlier result file keeps in the next: each step's measurements, and the provenance of
+    every run that wrote them (write_result's provenance names only the newest command)."""
+    kept = {k: dict(previous.get(k, {})) for k in ("parts", "tune", "seeds", "comparisons", "comparisons_validation",
+                                                    "routers")}
+    earlier = [*previous.get("earlier_runs", []), *([previous["provenance"]] if "provenance" in previous else [])]
+    return {**kept, "earlier_runs": earlier}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--run", type=Path, required=True, help="a finished `c2kd demo` run folder")
@@ -112,6 +124,7 @@ def main() -> None:
                                                 f"of {','.join(ROWS)}")
     p.add_argument("--layers", default=None, help="teacher layers OUT/cache holds [default: the demo's, its late layers]")
     p.add_argument("--router-layers", default=None, help="the layers C2KD's router reads [default: every cached layer]")
+    p.add_argument("--shrink", default=None, help="the student's layers, e.g. first:3 [default: the demo's student]")
     args = p.parse_args()
     default_rows = ",".join(r for r in ROWS if r not in NEEDS_A_MIDDLE_LAYER)
     steps, rows_wanted = _subset(args.steps, STEPS, "--steps"), _subset(args.rows or default_rows, ROWS, "--rows")
@@ -119,15 +132,16 @@ def main() -> None:
     fit = lambda recipe, method=None: for_method(recipe, method or recipe.method, router_layers)  # noqa: E731
 
     results = args.run / "results.json"  # a finished demo; else its default settings (float32 where no native bf16)
-    settings = (json.loads(results.read_text())["settings"] if results.exists()
-                else {**asdict(DemoSettings()), "bf16": native_bf16()})
+    demo = json.loads(results.read_text()) if results.exists() else {}
+    settings = demo.get("settings") or {**asdict(DemoSettings()), "bf16": native_bf16()}
     examples = load_examples(args.run / "data")
     cache = args.out / "cache"
     if not cache.exists():
         cache_teacher(args.run / "teacher", examples, cache,
                       CacheTeacherSettings(splits=("train", "validation"), max_examples=settings["student_max_train"],
                                            layers=_ints(args.layers)))
-    base = DistillRecipe(student=settings["student"], shrink=settings["student_shrink"], kd_over=settings["kd_over"],
+    base = DistillRecipe(student=settings["student"], shrink=args.shrink or settings["student_shrink"],
+                         kd_over=settings["kd_over"],
                          max_train=settings["student_max_train"], max_val=settings["max_val"],
                          shuffle_block=0)  # the order these runs were made with: 512 examples (< a block) are fully shuffled either way
     train = {"epochs": settings["student_epochs"], "lr": settings["student_lr"], "batch_size": settings["batch_size"],
@@ -135,9 +149,9 @@ def main() -> None:
     target = args.json or args.out / "c2kd_parts.json"
     previous = json.loads(target.read_text()) if target.exists() else {}
     # what the result file holds for steps and rows this run does not redo stays as it was measured
-    result: dict = {"settings": settings, "base": asdict(base), "train": train,
-                    **{k: dict(previous.get(k, {})) for k in ("parts", "tune", "seeds", "comparisons",
-                                                                "comparisons_validation", "routers")}}
+    teacher = demo.get("results", {}).get("teacher", {}).get("HR@1")  # the demo's teacher on test, for the share of it reached
+    result: dict = {"settings": settings, "base": asdict(base), "train": train, "teacher_test_HR@1": teacher,
+                    **carried_over(previous)}
 
     for name, change in PARTS.items() if "parts" in steps else ():  # 2. one change at a time, seed 0, validation only
         record = distill(cache, examples, args.out / "parts" / name, fit(replace(base, **change)), {**train, "seed": 0},

@@ -194,6 +194,8 @@ FILES: dict[str, str] = {
     "c2kd_parts/demo.json": "C2KD's parts, searches and terms on the SmolLM2 demo's pair (`benchmarks/c2kd_parts.py`)",
     "c2kd_parts/demo-feature-kd.json": "Feature KD at its validation-tuned weight against the default C2KD on the demo's SmolLM2 pair (`benchmarks/c2kd_parts.py --layers 15,26,27,28,29 --router-layers 26,27,28,29 --rows feature-kd-tuned,c2kd-default`)",
     "c2kd_parts/gemma.json": "The Gemma-3 demo's pair: the shipped recipes, each method searched on validation, the routers (`benchmarks/c2kd_parts.py --steps tune,test,routers`)",
+    "c2kd_parts/first3.json": "SmolLM2-135M → first 3 layers on the demo's teacher and cache: C2KD and logit KD searched on validation, the default C2KD, tuned logit KD and the student alone over 5 seeds (`benchmarks/c2kd_parts.py --shrink first:3 --steps tune,test`)",
+    "c2kd_parts/gemma-feature-kd.json": "Feature KD at its validation-tuned weight against the default C2KD on the Gemma-3 demo's pair (`benchmarks/c2kd_parts.py --layers 9,14,15,16,17 --router-layers 14,15,16,17 --rows feature-kd-tuned,c2kd-default`)",
     "demo/gemma.json": "The demo with the Gemma-3-270M pair (`c2kd demo --family gemma3-270m`, AMD EPYC, float32)",
     "demo/seeds-bf16-amd.json": "The demo's recipe before `--sasrec-kd`, five seeds, with more student recipes per seed (AMD EPYC)",
     "demo/teacher-sasrec-kd-seeds.json": "The demo's teacher with and without `--sasrec-kd 4.0`, seeds 0–2 (AMD EPYC)",
@@ -454,6 +456,30 @@ def _on_splits(test: dict, validation: dict) -> str:
     return f"{t.replace(' (', ' on test (', 1)}, {v.replace(' (', ' on validation (', 1)}"
 
 
+def _chose_the_default(parts: dict) -> bool:
+    """Whether C2KD's search in a c2kd_parts result chose the shipped default recipe (its weights to 2 digits)."""
+    picked, default = parts["tune"]["c2kd"]["chosen"]["params"], parts["seeds"]["c2kd-default"]["recipe"]
+    same = lambda a, b: f"{a:.2g}" == f"{b:.2g}" if isinstance(a, float) else a == b  # noqa: E731
+    return all(same(v, default[k]) for k, v in picked.items())
+
+
+def _routers_row(r: dict, what: str, file_link: str) -> list[str]:
+    """A README row from a c2kd_parts result's routers step: each router's validation HR@1, the examples it
+    sent to each layer in the last epoch, and its per-user difference from the default's router."""
+    default = next(k for k, v in r.items() if "vs_default" not in v)
+
+    def r_cell(name: str) -> str:
+        counts = r[name]["diagnostics"]["epochs"][-1].get("router_counts", {})
+        used = "/".join(str(counts[k]) for k in sorted(counts, key=int)) if counts else ""
+        text = f"`{name}` {num(r[name]['validation']['HR@1'])}" + (f" (last epoch {used})" if used else "")
+        return text + (f", {_paired(r[name]['vs_default'])}" if "vs_default" in r[name] else "")
+
+    layers = sorted(next(iter(r.values()))["diagnostics"]["epochs"][-1]["router_counts"], key=int)
+    return [f"Does the router's choice matter? {what} with each router, seed 0, validation "
+            f"HR@1 (examples per layer {', '.join(layers)}; − the default `{default}`, per user)",
+            "; ".join(r_cell(name) for name in r), file_link]
+
+
 def readme_rows(results: Path) -> list[list[str]]:
     """The README's one results table: the best figures, each linked to its file."""
     def link(rel: str, text: str) -> str:
@@ -543,10 +569,7 @@ def readme_rows(results: Path) -> list[list[str]]:
         if "c2kd-default vs logit-kd-tuned" in g.get("comparisons", {}):
             trials = len(g["tune"]["logit-kd"]["trials"])
             w = g["tune"]["logit-kd"]["chosen"]["params"]["w_logit"]
-            picked, default = g["tune"]["c2kd"]["chosen"]["params"], g["seeds"]["c2kd-default"]["recipe"]
-            same = all((f"{v:.2g}" if isinstance(v, float) else v) == (f"{default[k]:.2g}" if isinstance(v, float) else default[k])
-                       for k, v in picked.items())
-            note = "; C2KD's search chose the default recipe" if same else ""
+            note = "; C2KD's search chose the default recipe" if _chose_the_default(g) else ""
             rows.append([f"The Gemma-3 demo's pair, each method's recipe chosen on its validation (`c2kd tune`, {trials} trials "
                          f"each{note}), "
                          f"{len(gs['logit-kd-tuned'])} seeds, per user",
@@ -556,33 +579,58 @@ def readme_rows(results: Path) -> list[list[str]]:
                                       g_line("own-head-only vs logit-kd-tuned", f"logit KD w 8 − w {w:.2g}"))),
                          link("c2kd_parts/gemma.json", "c2kd_parts/gemma.json")])
         if len(g.get("routers", {})) > 1:
-            r = g["routers"]
-            default = next(k for k, v in r.items() if "vs_default" not in v)
+            rows.append(_routers_row(g["routers"], "The Gemma pair's default",
+                                     link("c2kd_parts/gemma.json", "c2kd_parts/gemma.json")))
+    if (results / "c2kd_parts/first3.json").exists():
+        t = _load(results, "c2kd_parts/first3.json")
+        if "c2kd-default vs logit-kd-tuned" in t.get("comparisons", {}):
+            ts = {name: list(row["test_HR@1"].values()) for name, row in t["seeds"].items()}
+            teacher = t["teacher_test_HR@1"]
+            c2kd, alone = statistics.mean(ts["c2kd-default"]), statistics.mean(ts["sft"])
+            note = "; C2KD's search chose the default recipe" if _chose_the_default(t) else ""
 
-            def r_cell(name: str) -> str:
-                counts = r[name]["diagnostics"]["epochs"][-1].get("router_counts", {})
-                used = "/".join(str(counts[k]) for k in sorted(counts, key=int)) if counts else ""
-                text = f"`{name}` {num(r[name]['validation']['HR@1'])}" + (f" (last epoch {used})" if used else "")
-                return text + (f", {_paired(r[name]['vs_default'])}" if "vs_default" in r[name] else "")
+            def t_line(key: str, text: str) -> str:
+                return f"{text} {_on_splits(t['comparisons'][key], t['comparisons_validation'][key])}"
 
-            layers = sorted(next(iter(r.values()))["diagnostics"]["epochs"][-1]["router_counts"], key=int)
-            rows.append([f"Does the router's choice matter? The Gemma pair's default with each router, seed 0, validation "
-                         f"HR@1 (examples per layer {', '.join(layers)}; − the default `{default}`, per user)",
-                         "; ".join(r_cell(name) for name in r),
-                         link("c2kd_parts/gemma.json", "c2kd_parts/gemma.json")])
-    if (results / "c2kd_parts/demo-feature-kd.json").exists():
-        f = _load(results, "c2kd_parts/demo-feature-kd.json")
+            rows.append([f"SmolLM2-135M → first 3 layers, the demo's teacher and 512 cached examples, each method's recipe "
+                         f"chosen on validation (`c2kd tune`, {len(t['tune']['logit-kd']['trials'])} trials each{note}), "
+                         f"{len(ts['c2kd-default'])} seeds, per user",
+                         f"**C2KD (the default recipe) {cell(ts['c2kd-default'])}**, logit KD (tuned: w "
+                         f"{t['tune']['logit-kd']['chosen']['params']['w_logit']:.2g}) {cell(ts['logit-kd-tuned'])}, "
+                         + (f"logit KD (w 8) {cell(ts['own-head-only'])}, " if "own-head-only" in ts else "")
+                         + (f"C2KD (its search's choice: `{t['tune']['c2kd']['chosen']['params']['router']}` router, "
+                            f"{t['tune']['c2kd']['chosen']['params']['student_layer']} layer) {cell(ts['c2kd-tuned'])}, "
+                            if "c2kd-tuned" in ts else "")
+                         + f"student alone {cell(ts['sft'])}; teacher {num(teacher)}: the default C2KD reaches "
+                         f"{c2kd / teacher:.0%} of it and {(c2kd - alone) / (teacher - alone):.0%} of the teacher − alone gap; "
+                         + "; ".join((t_line("c2kd-default vs logit-kd-tuned", "C2KD − tuned logit KD"),
+                                      *((t_line("c2kd-tuned vs logit-kd-tuned", "C2KD (search's choice) − tuned logit KD"),
+                                         t_line("c2kd-default vs c2kd-tuned", "default − search's choice"))
+                                        if "c2kd-tuned" in ts else ()),
+                                      *((t_line("c2kd-default vs own-head-only", "C2KD − logit KD w 8"),
+                                         t_line("own-head-only vs logit-kd-tuned", "logit KD w 8 − tuned"))
+                                        if "own-head-only" in ts else ()),
+                                      t_line("c2kd-default vs sft", "C2KD − alone"))),
+                         link("c2kd_parts/first3.json", "c2kd_parts/first3.json")])
+        if len(t.get("routers", {})) > 1:
+            rows.append(_routers_row(t["routers"], "SmolLM2 → first 3 layers, the default",
+                                     link("c2kd_parts/first3.json", "c2kd_parts/first3.json")))
+    for rel, pair, layers in (("c2kd_parts/demo-feature-kd.json", "the demo's SmolLM2 pair", (15, "26–29")),
+                              ("c2kd_parts/gemma-feature-kd.json", "the Gemma-3 demo's pair", (9, "14–17"))):
+        if not (results / rel).exists():
+            continue
+        f = _load(results, rel)
         if "c2kd-default vs feature-kd-tuned" in f.get("comparisons", {}):
             fs = {name: list(row["test_HR@1"].values()) for name, row in f["seeds"].items()}
             tuned = f["tune"]["feature-kd"]
             key = "c2kd-default vs feature-kd-tuned"
-            rows.append([f"Feature KD (SLMRec's uniform layer map) on the demo's SmolLM2 pair, its weight chosen on "
-                         f"validation (`c2kd tune`, {len(tuned['trials'])} trials; a cache with teacher layer 15 too), "
+            rows.append([f"Feature KD (SLMRec's uniform layer map) on {pair}, its weight chosen on "
+                         f"validation (`c2kd tune`, {len(tuned['trials'])} trials; a cache with teacher layer {layers[0]} too), "
                          f"{len(fs['feature-kd-tuned'])} seeds, per user",
                          f"feature KD (w_feat {tuned['chosen']['params']['w_feat']:.2g}) {cell(fs['feature-kd-tuned'])}, "
-                         f"**C2KD (the default recipe, its router on layers 26–29) {cell(fs['c2kd-default'])}**; "
+                         f"**C2KD (the default recipe, its router on layers {layers[1]}) {cell(fs['c2kd-default'])}**; "
                          f"C2KD − feature KD {_on_splits(f['comparisons'][key], f['comparisons_validation'][key])}",
-                         link("c2kd_parts/demo-feature-kd.json", "c2kd_parts/demo-feature-kd.json")])
+                         link(rel, rel)])
     dtype = _load(results, "cache_dtype/result.json")
     scale = _load(results, "cache_scale/tiny.json")
     summary = scale["summary"]

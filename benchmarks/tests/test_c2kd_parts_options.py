@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.c2kd_parts import FEWER_SEEDS, ROWS, STEPS, TERMS, TUNED, _subset, for_method
+from benchmarks.c2kd_parts import FEWER_SEEDS, ROWS, STEPS, TERMS, TUNED, _subset, carried_over, for_method
 from c2kd.student.distill import DistillRecipe
 
 
@@ -32,3 +32,13 @@ def test_each_method_gets_the_router_layers_and_logit_support_it_takes():
     assert logit.method == "logit-kd" and logit.router_layers is None and logit.kd_over == "items"
     feature = for_method(demo, "feature-kd", (26, 27))  # the demo's items support is refused for feature KD
     assert feature.method == "feature-kd" and feature.router_layers is None and feature.kd_over == "vocab"
+
+
+def test_a_rerun_keeps_the_measurements_and_the_commands_that_made_them():
+    assert carried_over({}) == {k: {} for k in ("parts", "tune", "seeds", "comparisons", "comparisons_validation",
+                                                "routers")} | {"earlier_runs": []}
+    first = {"tune": {"c2kd": {"chosen": 1}}, "provenance": {"command": "--steps tune"}}
+    second = {**carried_over(first), "seeds": {"sft": {}}, "provenance": {"command": "--steps test"}}
+    third = carried_over(second)
+    assert third["tune"] == {"c2kd": {"chosen": 1}} and third["seeds"] == {"sft": {}}
+    assert [run["command"] for run in third["earlier_runs"]] == ["--steps tune", "--steps test"]
