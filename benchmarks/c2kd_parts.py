@@ -204,7 +204,7 @@ def main() -> None:
                  ("c2kd-default", "own-head-only"), ("c2kd-default", "no-feature-term"),
                  ("c2kd-default", "no-cross-head-term"), ("own-head-only", "logit-kd-tuned"),
                  ("c2kd-default", "sft"), ("own-head-only", "sft"), ("c2kd-default", "feature-kd-tuned"),
-                 ("c2kd-tuned", "feature-kd-tuned"), ("feature-kd-tuned", "sft")):
+                 ("c2kd-tuned", "feature-kd-tuned"), ("feature-kd-tuned", "sft"), ("c2kd-default", "c2kd-paper")):
         seeds = sorted(set(predictions.get(a, ())) & set(predictions.get(b, ())))
         if not seeds:  # a row this run did not train
             continue

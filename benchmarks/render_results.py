@@ -195,6 +195,7 @@ FILES: dict[str, str] = {
     "c2kd_parts/demo-feature-kd.json": "Feature KD at its validation-tuned weight against the default C2KD on the demo's SmolLM2 pair (`benchmarks/c2kd_parts.py --layers 15,26,27,28,29 --router-layers 26,27,28,29 --rows feature-kd-tuned,c2kd-default`)",
     "c2kd_parts/gemma.json": "The Gemma-3 demo's pair: the shipped recipes, each method searched on validation, the routers (`benchmarks/c2kd_parts.py --steps tune,test,routers`)",
     "c2kd_parts/first3.json": "SmolLM2-135M → first 3 layers on the demo's teacher and cache: C2KD and logit KD searched on validation, the default C2KD, tuned logit KD and the student alone over 5 seeds (`benchmarks/c2kd_parts.py --shrink first:3 --steps tune,test`)",
+    "c2kd_parts/first3-feature-kd.json": "Feature KD at its validation-tuned weight against the default C2KD, SmolLM2 → first 3 layers (`benchmarks/c2kd_parts.py --shrink first:3 --layers 10,20,26,27,28,29 --router-layers 26,27,28,29 --rows feature-kd-tuned,c2kd-default`)",
     "c2kd_parts/gemma-feature-kd.json": "Feature KD at its validation-tuned weight against the default C2KD on the Gemma-3 demo's pair (`benchmarks/c2kd_parts.py --layers 9,14,15,16,17 --router-layers 14,15,16,17 --rows feature-kd-tuned,c2kd-default`)",
     "demo/gemma.json": "The demo with the Gemma-3-270M pair (`c2kd demo --family gemma3-270m`, AMD EPYC, float32)",
     "demo/seeds-bf16-amd.json": "The demo's recipe before `--sasrec-kd`, five seeds, with more student recipes per seed (AMD EPYC)",
@@ -601,6 +602,7 @@ def readme_rows(results: Path) -> list[list[str]]:
                          + (f"C2KD (its search's choice: `{t['tune']['c2kd']['chosen']['params']['router']}` router, "
                             f"{t['tune']['c2kd']['chosen']['params']['student_layer']} layer) {cell(ts['c2kd-tuned'])}, "
                             if "c2kd-tuned" in ts else "")
+                         + (f"C2KD at the paper's weights {cell(ts['c2kd-paper'])}, " if "c2kd-paper" in ts else "")
                          + f"student alone {cell(ts['sft'])}; teacher {num(teacher)}: the default C2KD reaches "
                          f"{c2kd / teacher:.0%} of it and {(c2kd - alone) / (teacher - alone):.0%} of the teacher − alone gap; "
                          + "; ".join((t_line("c2kd-default vs logit-kd-tuned", "C2KD − tuned logit KD"),
@@ -609,13 +611,16 @@ def readme_rows(results: Path) -> list[list[str]]:
                                       *((t_line("c2kd-default vs own-head-only", "C2KD − logit KD w 8"),
                                          t_line("own-head-only vs logit-kd-tuned", "logit KD w 8 − tuned"))
                                         if "own-head-only" in ts else ()),
+                                      *((t_line("c2kd-default vs c2kd-paper", "default − paper's weights"),)
+                                        if "c2kd-default vs c2kd-paper" in t["comparisons"] else ()),
                                       t_line("c2kd-default vs sft", "C2KD − alone"))),
                          link("c2kd_parts/first3.json", "c2kd_parts/first3.json")])
         if len(t.get("routers", {})) > 1:
             rows.append(_routers_row(t["routers"], "SmolLM2 → first 3 layers, the default",
                                      link("c2kd_parts/first3.json", "c2kd_parts/first3.json")))
-    for rel, pair, layers in (("c2kd_parts/demo-feature-kd.json", "the demo's SmolLM2 pair", (15, "26–29")),
-                              ("c2kd_parts/gemma-feature-kd.json", "the Gemma-3 demo's pair", (9, "14–17"))):
+    for rel, pair, layers in (("c2kd_parts/demo-feature-kd.json", "the demo's SmolLM2 pair", ("layer 15", "26–29")),
+                              ("c2kd_parts/first3-feature-kd.json", "SmolLM2 → first 3 layers", ("layers 10 and 20", "26–29")),
+                              ("c2kd_parts/gemma-feature-kd.json", "the Gemma-3 demo's pair", ("layer 9", "14–17"))):
         if not (results / rel).exists():
             continue
         f = _load(results, rel)
@@ -624,7 +629,7 @@ def readme_rows(results: Path) -> list[list[str]]:
             tuned = f["tune"]["feature-kd"]
             key = "c2kd-default vs feature-kd-tuned"
             rows.append([f"Feature KD (SLMRec's uniform layer map) on {pair}, its weight chosen on "
-                         f"validation (`c2kd tune`, {len(tuned['trials'])} trials; a cache with teacher layer {layers[0]} too), "
+                         f"validation (`c2kd tune`, {len(tuned['trials'])} trials; a cache with teacher {layers[0]} too), "
                          f"{len(fs['feature-kd-tuned'])} seeds, per user",
                          f"feature KD (w_feat {tuned['chosen']['params']['w_feat']:.2g}) {cell(fs['feature-kd-tuned'])}, "
                          f"**C2KD (the default recipe, its router on layers {layers[1]}) {cell(fs['c2kd-default'])}**; "
