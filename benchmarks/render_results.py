@@ -627,13 +627,16 @@ def readme_rows(results: Path) -> list[list[str]]:
         if "c2kd-default vs feature-kd-tuned" in f.get("comparisons", {}):
             fs = {name: list(row["test_HR@1"].values()) for name, row in f["seeds"].items()}
             tuned = f["tune"]["feature-kd"]
-            key = "c2kd-default vs feature-kd-tuned"
+            key, paper = "c2kd-default vs feature-kd-tuned", "c2kd-default vs c2kd-paper"
             rows.append([f"Feature KD (SLMRec's uniform layer map) on {pair}, its weight chosen on "
                          f"validation (`c2kd tune`, {len(tuned['trials'])} trials; a cache with teacher {layers[0]} too), "
                          f"{len(fs['feature-kd-tuned'])} seeds, per user",
                          f"feature KD (w_feat {tuned['chosen']['params']['w_feat']:.2g}) {cell(fs['feature-kd-tuned'])}, "
-                         f"**C2KD (the default recipe, its router on layers {layers[1]}) {cell(fs['c2kd-default'])}**; "
-                         f"C2KD − feature KD {_on_splits(f['comparisons'][key], f['comparisons_validation'][key])}",
+                         f"**C2KD (the default recipe, its router on layers {layers[1]}) {cell(fs['c2kd-default'])}**"
+                         + (f", C2KD at the paper's weights {cell(fs['c2kd-paper'])}" if "c2kd-paper" in fs else "")
+                         + f"; C2KD − feature KD {_on_splits(f['comparisons'][key], f['comparisons_validation'][key])}"
+                         + (f"; default − paper's weights {_on_splits(f['comparisons'][paper], f['comparisons_validation'][paper])}"
+                            if paper in f["comparisons"] else ""),
                          link(rel, rel)])
     dtype = _load(results, "cache_dtype/result.json")
     scale = _load(results, "cache_scale/tiny.json")
