@@ -32,7 +32,7 @@ what an earlier run wrote into the same result file for the steps and rows not r
     python benchmarks/c2kd_parts.py --run runs/demo-gemma --out runs/bench/c2kd_parts_gemma \
         --steps test --rows sft,c2kd-default,own-head-only
     python benchmarks/c2kd_parts.py --run runs/demo-base --out runs/bench/c2kd_parts_first3 --shrink first:3 \
-        --steps tune,test --rows c2kd-tuned,logit-kd-tuned,sft,c2kd-default
+        --steps tune,test --rows c2kd-tuned,logit-kd-tuned,sft,c2kd-default,own-head-only,c2kd-paper
 """
 
 from __future__ import annotations
